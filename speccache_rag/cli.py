@@ -1,0 +1,298 @@
+"""``speccache-rag`` command line: ``demo``, ``precompute`` and ``ask``.
+
+Errors a user can fix (unknown model, bad option, missing file) print one ``error: …`` line on
+stderr and exit with status 2; set ``SPECCACHE_DEBUG=1`` to get the traceback instead.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+from .chunking import DEFAULT_CHUNK_TOKENS, Chunk, chunk_documents, load_documents, rank_chunks, token_counter
+from .config import METHODS, GenerationConfig, ReuseConfig
+
+DEFAULT_TARGET = "smollm2-135m"
+DEFAULT_STORE = os.path.join(".speccache", "kv")
+DEFAULT_TOP_K = 3
+_DEFAULTS = ReuseConfig()
+
+
+class UsageError(ValueError):
+    """A bad command line; reported as ``error: …`` with exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump, and no SystemExit inside main()
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+# --------------------------------------------------------------------------------------------------
+# shared pieces
+# --------------------------------------------------------------------------------------------------
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from .models import ModelFileError, ModelNotInstalled
+
+    return (ValueError, FileNotFoundError, NotADirectoryError, ModelNotInstalled, ModelFileError)
+
+
+def _err(*parts: object) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def _check_common(args: argparse.Namespace) -> None:
+    """Validate numbers before anything slow (model loading) happens."""
+    ratio = getattr(args, "ratio", None)
+    if ratio is not None and not 0.0 <= ratio <= 1.0:
+        raise UsageError(f"--ratio must be within [0, 1], got {ratio:g}")
+    if getattr(args, "max_new_tokens", 1) < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if getattr(args, "top_k", 1) < 1:
+        raise UsageError(f"--top-k must be >= 1, got {args.top_k}")
+    if getattr(args, "chunk_tokens", DEFAULT_CHUNK_TOKENS) < 16:
+        raise UsageError(f"--chunk-tokens must be >= 16, got {args.chunk_tokens}")
+
+
+def _engine(target: str, draft: str | None, store):
+    """Load the engine (models come from ``speccache_rag.models.load``)."""
+    from .engine import SpecCacheEngine
+
+    t = time.perf_counter()
+    engine = SpecCacheEngine.from_pretrained(target=target, draft=draft, store=store)
+    pair = target if draft in (None, target) else f"{target} (draft {draft})"
+    _err(f"loaded {pair} in {time.perf_counter() - t:.1f}s; store: {store}")
+    return engine
+
+
+def _chunks(engine, paths: Sequence[str], chunk_tokens: int) -> list[Chunk]:
+    chunks = chunk_documents(load_documents(paths), chunk_tokens, token_counter(engine.tokenizer))
+    if not chunks:
+        raise ValueError(f"no text found in {', '.join(map(str, paths))}")
+    return chunks
+
+
+def _stored(engine, texts: Sequence[str]) -> list[bool]:
+    """Whether each chunk's KV is already in the engine's store."""
+    from .kv import chunk_key
+    from .prompt import tokenize_piece
+
+    return [engine.store.contains(chunk_key(engine.fingerprint, tokenize_piece(engine.tokenizer, t)[0]))
+            for t in texts]
+
+
+def _precompute(engine, texts: Sequence[str]) -> int:
+    """Precompute ``texts`` (with a progress bar); returns how many entries were new."""
+    before = _stored(engine, texts)
+    engine.precompute(texts, progress=True)
+    return before.count(False)
+
+
+def _stats_line(stats) -> str:
+    return (f"method={stats.method} ttft={stats.ttft_s:.3f}s total={stats.total_s:.3f}s "
+            f"prompt_tokens={stats.prompt_tokens} reused={stats.reused_tokens} "
+            f"recomputed={stats.recomputed_tokens} cache_hits={stats.cache_hits} "
+            f"cache_misses={stats.cache_misses} generated={stats.generated_tokens}")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _matches(answer: str, expected: Sequence[str]) -> bool:
+    low = answer.lower()
+    return any(e.lower() in low for e in expected if e)
+
+
+# --------------------------------------------------------------------------------------------------
+# commands
+# --------------------------------------------------------------------------------------------------
+def cmd_precompute(args: argparse.Namespace) -> int:
+    load_documents(args.paths)  # fail on a missing path before loading the model
+    engine = _engine(args.target, None, args.store)
+    try:
+        chunks = _chunks(engine, args.paths, args.chunk_tokens)
+        texts = [c.text for c in chunks]
+        t = time.perf_counter()
+        new = _precompute(engine, texts)
+        sources = len({c.source for c in chunks})
+        print(f"{len(texts)} chunks from {sources} documents: {new} new entries, {len(texts) - new} already "
+              f"stored ({time.perf_counter() - t:.1f}s); store: {args.store}")
+    finally:
+        engine.close()
+    return 0
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    if not args.question.strip():
+        raise UsageError("the question is empty")
+    reuse = ReuseConfig(method=args.method, recompute_ratio=args.ratio)
+    load_documents([args.docs])
+    engine = _engine(args.target, args.draft, args.store)
+    try:
+        from .prompt import RAGPrompt
+
+        chunks = _chunks(engine, [args.docs], args.chunk_tokens)
+        picked = [chunks[i] for i in rank_chunks(args.question, [c.text for c in chunks], args.top_k)]
+        if not picked:
+            _err("note: no chunk shares a word with the question; answering without context")
+        _err("context: " + (", ".join(c.label for c in picked) or "none"))
+        if args.method != "full":
+            missing = _stored(engine, [c.text for c in picked]).count(False)
+            if missing:
+                _err(f"note: {missing} of {len(picked)} chunks are not in the store; they are recomputed this "
+                     f"time and stored for next time (run 'speccache-rag precompute' first)")
+        prompt = RAGPrompt(chunks=[c.text for c in picked], question=args.question)
+        if args.stream:
+            for piece in engine.stream(prompt, max_new_tokens=args.max_new_tokens, reuse=reuse):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            out = engine.last_output
+            sys.stdout.write("\n")
+        else:
+            out = engine.generate(prompt, max_new_tokens=args.max_new_tokens, reuse=reuse)
+            print(out.text.strip())
+        sys.stdout.flush()
+        _err(_stats_line(out.stats))
+    finally:
+        engine.close()
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .data import demo_dir, demo_questions
+    from .prompt import RAGPrompt
+
+    with tempfile.TemporaryDirectory(prefix="speccache-demo-") as tmp:
+        store = args.store or os.path.join(tmp, "kv")
+        engine = _engine(args.target, args.draft, store)
+        try:
+            chunks = _chunks(engine, [demo_dir()], args.chunk_tokens)
+            print(f"Demo: {len(chunks)} chunks of up to {args.chunk_tokens} tokens from the invented town of "
+                  f"Brennock Harbour ({demo_dir()})")
+            new = _precompute(engine, [c.text for c in chunks])
+            print(f"precomputed: {new} new KV entries, {len(chunks) - new} already stored")
+            if args.draft in (None, args.target):
+                print("note: the draft is the target itself, so choosing tokens costs a full draft prefill; "
+                      "TTFT gains come with a draft smaller than the target")
+            # one throw-away generation, so that the first timed one does not pay for warm-up
+            engine.generate(RAGPrompt(question="Hello"), max_new_tokens=1, reuse=ReuseConfig(method="full"))
+
+            methods = (("full", ReuseConfig(method="full")),
+                       ("speccache", ReuseConfig(method="speccache", recompute_ratio=args.ratio)))
+            ttft = {name: [] for name, _ in methods}
+            right = {name: 0 for name, _ in methods}
+            questions = demo_questions()
+            for n, q in enumerate(questions, 1):
+                picked = [chunks[i] for i in rank_chunks(q["question"], [c.text for c in chunks], args.top_k)]
+                prompt = RAGPrompt(chunks=[c.text for c in picked], question=q["question"])
+                print(f"\n[{n}/{len(questions)}] {q['question']}")
+                print(f"    expected: {q['answer']}   (from {', '.join(q['sources'])})")
+                print(f"    context:  {', '.join(c.label for c in picked)}")
+                outs = {}
+                for name, reuse in methods:
+                    out = engine.generate(prompt, max_new_tokens=args.max_new_tokens, reuse=reuse)
+                    outs[name] = out
+                    ok = _matches(out.text, [q["answer"], *q.get("aliases", [])])
+                    right[name] += ok
+                    ttft[name].append(out.stats.ttft_s)
+                    print(f"    {name:<10} TTFT {out.stats.ttft_s:6.3f}s  {'✓' if ok else '✗'}  "
+                          f"{_one_line(out.text)}")
+                s = outs["speccache"].stats
+                speedup = outs["full"].stats.ttft_s / max(s.ttft_s, 1e-9)
+                print(f"    TTFT full/speccache = {speedup:.2f}x; speccache reused {s.reused_tokens} and "
+                      f"recomputed {s.recomputed_tokens} of {s.prompt_tokens} prompt tokens; "
+                      f"cache hits {s.cache_hits}/{s.cache_hits + s.cache_misses}")
+            mean = {k: sum(v) / len(v) for k, v in ttft.items()}
+            print(f"\nSummary over {len(questions)} questions: mean TTFT full {mean['full']:.3f}s, speccache "
+                  f"{mean['speccache']:.3f}s ({mean['full'] / max(mean['speccache'], 1e-9):.2f}x); answers "
+                  f"containing the expected text: full {right['full']}/{len(questions)}, speccache "
+                  f"{right['speccache']}/{len(questions)}")
+        finally:
+            engine.close()
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# parser and entry point
+# --------------------------------------------------------------------------------------------------
+def _add_model_args(p: argparse.ArgumentParser, draft: str | None) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help="model that answers: a packaged name, an HF directory or a .gguf file (default: %(default)s)")
+    p.add_argument("--draft", default=draft,
+                   help="model that scores which tokens to recompute (default: " + (draft or "the target") + ")")
+
+
+def _add_chunk_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS, metavar="N",
+                   help="target chunk size in tokens; use the same value for precompute and ask (default: %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="speccache-rag",
+                     description="Faster RAG time-to-first-token: precomputed chunk KV caches, repaired by "
+                                 "speculative token selection.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("demo", help="answer questions about embedded documents with full prefill and with speccache",
+                       description="Precompute the embedded demo documents, then answer each demo question with "
+                                   "method 'full' and 'speccache', printing answers, TTFT and reuse statistics.")
+    _add_model_args(p, draft=DEFAULT_TARGET)
+    p.add_argument("--store", default=None, help="KV store: directory, memory:// or redis://… (default: a temporary directory)")
+    p.add_argument("--ratio", type=float, default=_DEFAULTS.recompute_ratio, help="recompute ratio (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="chunks per question (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="(default: %(default)s)")
+    _add_chunk_args(p)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("precompute", help="chunk documents and store their KV caches",
+                       description="Chunk .txt/.md files (directories are searched recursively) and precompute "
+                                   "each chunk's KV into the store; already stored chunks are skipped.")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="files or directories")
+    p.add_argument("--store", default=DEFAULT_STORE, help="KV store: directory, memory:// or redis://… (default: %(default)s)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="model whose KV is stored (default: %(default)s)")
+    _add_chunk_args(p)
+    p.set_defaults(func=cmd_precompute)
+
+    p = sub.add_parser("ask", help="answer a question from documents, reusing stored chunk KV",
+                       description="Chunk the documents as precompute does, pick the top-k chunks by lexical "
+                                   "overlap, and answer. The answer goes to stdout, statistics to stderr.")
+    p.add_argument("question")
+    p.add_argument("--docs", required=True, metavar="PATH", help="file or directory of .txt/.md documents")
+    p.add_argument("--store", default=DEFAULT_STORE, help="KV store: directory, memory:// or redis://… (default: %(default)s)")
+    _add_model_args(p, draft=None)
+    p.add_argument("--method", choices=METHODS, default=_DEFAULTS.method, help="(default: %(default)s)")
+    p.add_argument("--ratio", type=float, default=_DEFAULTS.recompute_ratio, help="recompute ratio (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="chunks in the prompt (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=GenerationConfig().max_new_tokens, metavar="N",
+                   help="(default: %(default)s)")
+    p.add_argument("--stream", action="store_true", help="print the answer as it is generated")
+    _add_chunk_args(p)
+    p.set_defaults(func=cmd_ask)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (0 ok, 2 user error, 130 interrupted)."""
+    debug = os.environ.get("SPECCACHE_DEBUG", "") not in ("", "0")
+    try:
+        args = build_parser().parse_args(argv)
+        _check_common(args)
+        return args.func(args)
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+    except Exception as e:
+        if debug or not isinstance(e, _user_errors()):
+            raise
+        _err(f"error: {_one_line(str(e)) or type(e).__name__}")
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Validated configuration: the only place where defaults live."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+METHODS = ("full", "reuse", "epic", "cacheblend", "speccache", "random", "oracle")
+SINK_POLICIES = ("bos", "none")
+SPAN_RULES = ("smooth", "none")
+
+
+@dataclass(frozen=True)
+class ReuseConfig:
+    """Which prompt tokens the target recomputes, and how they are chosen.
+
+    ``recompute_ratio`` is the share of *reusable* (cached-chunk) tokens that are recomputed on top
+    of the tokens that are always recomputed (prefix, separators, question, store misses).
+    """
+
+    method: str = "speccache"
+    recompute_ratio: float = 0.15
+    epic_k: int | None = None           # None: chosen so that the budget equals recompute_ratio
+    cacheblend_check_layer: int = 1     # layers 0..check_layer run over every token
+    draft_layers: float = 1 / 3         # speccache/oracle score with the last third of the layers
+    span_rule: str = "smooth"
+    tau_smooth: float = 0.4
+    tau_cover: float = 0.7
+    max_span: int = 16
+    seed: int = 0                       # for "random"
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if not isinstance(self.recompute_ratio, (int, float)) or not 0.0 <= self.recompute_ratio <= 1.0:
+            raise ValueError(f"recompute_ratio must be within [0, 1], got {self.recompute_ratio!r}")
+        if self.epic_k is not None and self.epic_k < 0:
+            raise ValueError(f"epic_k must be >= 0, got {self.epic_k}")
+        if self.cacheblend_check_layer < 0:
+            raise ValueError("cacheblend_check_layer must be >= 0")
+        if not 0.0 < self.draft_layers <= 1.0:
+            raise ValueError(f"draft_layers must be within (0, 1], got {self.draft_layers}")
+        if self.span_rule not in SPAN_RULES:
+            raise ValueError(f"unknown span_rule {self.span_rule!r}; choose one of {', '.join(SPAN_RULES)}")
+        if self.tau_smooth < 0 or not 0.0 <= self.tau_cover <= 1.0 or self.max_span < 1:
+            raise ValueError("need tau_smooth >= 0, tau_cover in [0, 1], max_span >= 1")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 64
+    temperature: float = 0.0            # 0 = greedy
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be within (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    max_bytes: int = 8 << 30            # directory store garbage-collects above this
+    memory_max_bytes: int = 2 << 30     # memory:// LRU bound
+    extra: dict = field(default_factory=dict)

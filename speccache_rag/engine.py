@@ -1,0 +1,261 @@
+"""SpecCacheEngine: precompute chunk KV once, then answer RAG prompts by blending it."""
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .config import GenerationConfig, ReuseConfig
+from .kv import ChunkKV, chunk_key, model_fingerprint
+from .prompt import RAGPrompt, TokenizedPrompt, render, tokenize_piece
+from .rope import rotate_keys
+from .runner import KVCache, check_arch, decode_one, full_prefill, prefill
+from .sampling import StopTextBuffer, sample
+from .selection import (Selection, budget_for, cacheblend_prefill, epic_select, oracle_select, random_select,
+                        speculative_select)
+from .store import KVStore, open_store
+
+
+@dataclass
+class GenerationStats:
+    method: str
+    prompt_tokens: int
+    reused_tokens: int = 0
+    recomputed_tokens: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    load_s: float = 0.0             # store reads + key rotation
+    draft_s: float = 0.0            # choosing what to recompute (draft prefill for speccache)
+    recompute_s: float = 0.0        # target prefill of the recomputed tokens
+    first_decode_s: float = 0.0     # logits → first token
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GenerationOutput:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+    finish_reason: str = "length"   # "stop" (EOS or stop string) or "length"
+    first_logits: torch.Tensor | None = field(default=None, repr=False)
+
+
+class SpecCacheEngine:
+    """Reuses per-chunk KV caches for RAG prompts and repairs them by recomputing chosen tokens.
+
+    Build it with :meth:`from_pretrained`; call :meth:`precompute` at ingestion and
+    :meth:`generate` / :meth:`stream` at query time.
+    """
+
+    def __init__(self, target, tokenizer, store: KVStore | str = "memory://", draft=None, draft_tokenizer=None,
+                 sink: str = "bos", fill_misses: bool = True, name: str | None = None):
+        check_arch(target)
+        if draft is not None:
+            check_arch(draft)
+        if sink not in ("bos", "none"):
+            raise ValueError(f"sink must be 'bos' or 'none', got {sink!r}")
+        self.target, self.tokenizer = target, tokenizer
+        self.draft, self.draft_tokenizer = (draft, draft_tokenizer) if draft is not None else (target, tokenizer)
+        self.store = open_store(store)
+        self.sink = sink
+        self.fill_misses = fill_misses
+        self.name = name or getattr(target.config, "_name_or_path", "") or target.config.model_type
+        self.fingerprint = model_fingerprint(target, tokenizer, sink)
+        self.context_window = target.config.max_position_embeddings
+        self._sink_ids = self._sink_token_ids()
+        self._eos_ids = self._eos_token_ids()
+        self.last_output: GenerationOutput | None = None
+
+    @classmethod
+    def from_pretrained(cls, target: str, draft: str | None = None, store: KVStore | str = "./.speccache/kv",
+                        backend: str = "torch", dtype: torch.dtype = torch.float32, **kwargs) -> "SpecCacheEngine":
+        """target/draft: a packaged name ("smollm2-135m", "qwen2.5-coder-0.5b", …), an HF directory or a .gguf
+        file; draft=None scores with the target itself. store: a directory, "memory://" or "redis://…"."""
+        if backend != "torch":
+            raise ValueError(f"unknown backend {backend!r}: this build supports backend='torch'")
+        from .models import load
+
+        model, tok = load(target, dtype=dtype)
+        draft_model, draft_tok = (None, None) if draft in (None, target) else load(draft, dtype=dtype)
+        return cls(model, tok, store=store, draft=draft_model, draft_tokenizer=draft_tok, name=target, **kwargs)
+
+    # ---- ingestion ------------------------------------------------------------------------------
+    def precompute(self, texts: Iterable[str], progress: bool = False) -> list[str]:
+        """Compute and store the KV of each chunk text (idempotent); returns their keys in order."""
+        from tqdm.auto import tqdm
+
+        texts = list(texts)
+        keys = []
+        for text in tqdm(texts, desc="precompute KV", unit="chunk", disable=not progress):
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError("cannot precompute an empty chunk")
+            ids, _ = tokenize_piece(self.tokenizer, text)
+            key = chunk_key(self.fingerprint, ids)
+            if not self.store.contains(key):
+                self.store.put(self.chunk_kv(ids, key, text))
+            keys.append(key)
+        return keys
+
+    @torch.inference_mode()
+    def chunk_kv(self, token_ids: list[int], key: str, text: str) -> ChunkKV:
+        """The chunk prefilled alone (after the sink token, whose entry is dropped), keys before RoPE."""
+        ids = torch.tensor(self._sink_ids + token_ids)
+        cache, _ = full_prefill(self.target, ids, keep_pre_rope=True)
+        skip = len(self._sink_ids)
+        return ChunkKV(key, token_ids, cache.k_pre[:, :, skip:].clone(), cache.v[:, :, skip:].clone(),
+                       meta={"text": text})
+
+    # ---- query ----------------------------------------------------------------------------------
+    def generate(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
+                 temperature: float = 0.0, top_p: float = 1.0, stop: Iterable[str] | str | None = None,
+                 seed: int | None = None, return_first_logits: bool = False) -> GenerationOutput:
+        for _ in self.stream(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits):
+            pass
+        return self.last_output
+
+    def stream(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
+               temperature: float = 0.0, top_p: float = 1.0, stop: Iterable[str] | str | None = None,
+               seed: int | None = None, return_first_logits: bool = False) -> Iterator[str]:
+        """Yield text as it is generated; ``self.last_output`` holds the full result afterwards."""
+        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        gen = GenerationConfig(max_new_tokens, temperature, top_p, stop, seed)
+        reuse = reuse or ReuseConfig()
+        if not isinstance(prompt, RAGPrompt):
+            raise TypeError(f"prompt must be a RAGPrompt, got {type(prompt).__name__}")
+        start = time.perf_counter()
+        tokens = render(prompt, self.tokenizer)
+        if len(tokens) + gen.max_new_tokens > self.context_window:
+            raise ValueError(f"prompt of {len(tokens)} tokens + max_new_tokens={gen.max_new_tokens} exceeds the "
+                             f"context window of {self.context_window} tokens; retrieve fewer or shorter chunks")
+        stats = GenerationStats(method=reuse.method, prompt_tokens=len(tokens))
+        cache = KVCache.empty(self.target, len(tokens) + gen.max_new_tokens)
+        first_logits, missed = self._prefill(prompt, tokens, cache, reuse, stats)
+
+        generator = torch.Generator().manual_seed(gen.seed) if gen.seed is not None else None
+        t = time.perf_counter()
+        next_id = sample(first_logits, gen.temperature, gen.top_p, generator)
+        stats.first_decode_s = time.perf_counter() - t
+        stats.ttft_s = time.perf_counter() - start
+
+        out_ids: list[int] = []
+        buffer = StopTextBuffer(self.tokenizer, gen.stop)
+        finish = "length"
+        position = len(tokens)
+        while True:
+            if next_id in self._eos_ids:
+                finish = "stop"
+                break
+            out_ids.append(next_id)
+            piece, hit_stop = buffer.push(next_id)
+            if piece:
+                yield piece
+            if hit_stop:
+                finish = "stop"
+                break
+            if len(out_ids) >= gen.max_new_tokens:
+                break
+            with torch.inference_mode():
+                step_logits = decode_one(self.target, cache, next_id, position)
+            position += 1
+            next_id = sample(step_logits, gen.temperature, gen.top_p, generator)
+        tail = buffer.flush()
+        if tail:
+            yield tail
+        stats.generated_tokens = len(out_ids)
+        stats.total_s = time.perf_counter() - start
+        self.last_output = GenerationOutput(buffer.text, out_ids, stats, finish,
+                                            first_logits if return_first_logits else None)
+        if self.fill_misses and missed:
+            self._store_missed(tokens, missed)
+
+    def _prefill(self, prompt: RAGPrompt, tokens: TokenizedPrompt, cache: KVCache, reuse: ReuseConfig,
+                 stats: GenerationStats) -> tuple[torch.Tensor, list[int]]:
+        """Fill ``cache`` for the prompt by the chosen method → (last-token logits, chunk indices missed)."""
+        n = len(tokens)
+        if reuse.method == "full":
+            t = time.perf_counter()
+            logits = prefill(self.target, cache, tokens.ids, torch.arange(n))
+            stats.recompute_s, stats.recomputed_tokens = time.perf_counter() - t, n
+            return logits, []
+
+        t = time.perf_counter()
+        reusable, missed = self._load_chunks(tokens, cache, stats)
+        stats.load_s = time.perf_counter() - t
+        always = (~reusable).nonzero().flatten()
+        sel = Selection(tokens, reusable, budget_for(reuse.recompute_ratio, int(reusable.sum())), reuse)
+
+        t = time.perf_counter()
+        if reuse.method == "cacheblend":
+            logits, recomputed = cacheblend_prefill(self.target, cache, sel, always)
+            stats.recompute_s = time.perf_counter() - t
+        else:
+            chosen = self._select(sel, prompt)
+            stats.draft_s = time.perf_counter() - t
+            t = time.perf_counter()
+            recomputed = torch.cat([chosen, always]).unique()
+            logits = prefill(self.target, cache, tokens.ids[recomputed], recomputed)
+            stats.recompute_s = time.perf_counter() - t
+        stats.recomputed_tokens = recomputed.numel()
+        stats.reused_tokens = n - stats.recomputed_tokens
+        return logits, missed
+
+    def _select(self, sel: Selection, prompt: RAGPrompt) -> torch.Tensor:
+        method = sel.config.method
+        if method == "reuse" or sel.budget == 0:
+            return torch.empty(0, dtype=torch.long)
+        if method == "epic":
+            return epic_select(sel)
+        if method == "random":
+            return random_select(sel)
+        if method == "oracle":
+            return oracle_select(sel, self.target)
+        return speculative_select(sel, prompt, self.draft, self.draft_tokenizer)
+
+    def _load_chunks(self, tokens: TokenizedPrompt, cache: KVCache, stats: GenerationStats):
+        """Put every stored chunk's KV, rotated to its true positions, into the cache."""
+        reusable = torch.zeros(len(tokens), dtype=torch.bool)
+        missed = []
+        for seg in tokens.chunk_segments():
+            ids = tokens.token_ids[seg.start:seg.end]
+            entry = self.store.get(chunk_key(self.fingerprint, ids))
+            if entry is None or entry.token_ids != ids:
+                stats.cache_misses += 1
+                missed.append(seg.chunk)
+                continue
+            stats.cache_hits += 1
+            positions = torch.arange(seg.start, seg.end)
+            cache.k[:, :, seg.start:seg.end] = rotate_keys(self.target, entry.k.to(cache.k.dtype), positions)
+            cache.v[:, :, seg.start:seg.end] = entry.v.to(cache.v.dtype)
+            reusable[seg.start:seg.end] = True
+        return reusable, missed
+
+    def _store_missed(self, tokens: TokenizedPrompt, missed: list[int]) -> None:
+        for seg in tokens.chunk_segments():
+            if seg.chunk in missed:
+                ids = tokens.token_ids[seg.start:seg.end]
+                self.store.put(self.chunk_kv(ids, chunk_key(self.fingerprint, ids), seg.text))
+
+    def _sink_token_ids(self) -> list[int]:
+        if self.sink == "none":
+            return []
+        if self.tokenizer.bos_token_id is not None:
+            return [self.tokenizer.bos_token_id]
+        # No BOS (Qwen): the template's own first token plays the sink, as it does in real prompts.
+        return render(RAGPrompt(question="?"), self.tokenizer).token_ids[:1]
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = {self.tokenizer.eos_token_id}
+        gen_eos = getattr(getattr(self.target, "generation_config", None), "eos_token_id", None)
+        ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        return {i for i in ids if i is not None}
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,101 @@
+"""A chunk's KV cache, its content key and its (pickle-free) serialized form."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+# Bump when the meaning of stored tensors changes (layout, rotation convention, sink handling).
+KV_LAYOUT_VERSION = 1
+
+
+class CorruptEntry(ValueError):
+    """A stored entry failed its integrity check; callers treat it as a miss."""
+
+
+@dataclass
+class ChunkKV:
+    """K before RoPE and V of one chunk, computed alone: ``k``, ``v``: [layers, kv_heads, tokens, head_dim]."""
+
+    key: str
+    token_ids: list[int]
+    k: torch.Tensor
+    v: torch.Tensor
+    meta: dict = field(default_factory=dict)   # JSON-serializable extras (text, fingerprint, ...)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def to_bytes(self) -> bytes:
+        """safetensors blob; the JSON metadata rides in its header, with a checksum over the tensors."""
+        k, v = self.k.contiguous(), self.v.contiguous()
+        meta = {"key": self.key, "token_ids": self.token_ids, "layout": KV_LAYOUT_VERSION,
+                "checksum": _checksum(k, v), **self.meta}
+        return st_save({"k": k, "v": v}, metadata={"json": json.dumps(meta)})
+
+    @classmethod
+    def from_bytes(cls, blob: bytes, expect_key: str | None = None) -> "ChunkKV":
+        try:
+            tensors = st_load(blob)
+            header = _read_header(blob)
+            meta = json.loads(header["__metadata__"]["json"])
+            k, v = tensors["k"], tensors["v"]
+        except Exception as e:  # safetensors/json raise assorted types on damaged input
+            raise CorruptEntry(f"unreadable KV entry: {e}") from e
+        if meta.pop("checksum", None) != _checksum(k, v):
+            raise CorruptEntry("KV entry checksum mismatch")
+        if meta.pop("layout", None) != KV_LAYOUT_VERSION:
+            raise CorruptEntry("KV entry has another layout version")
+        key, token_ids = meta.pop("key"), meta.pop("token_ids")
+        if expect_key is not None and key != expect_key:
+            raise CorruptEntry(f"KV entry holds key {key[:12]}…, expected {expect_key[:12]}…")
+        if k.shape != v.shape or k.shape[2] != len(token_ids):
+            raise CorruptEntry("KV entry shapes do not match its tokens")
+        return cls(key=key, token_ids=token_ids, k=k, v=v, meta=meta)
+
+
+def _checksum(k: torch.Tensor, v: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    for t in (k, v):
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _read_header(blob: bytes) -> dict:
+    n = int.from_bytes(blob[:8], "little")
+    return json.loads(blob[8:8 + n])
+
+
+def chunk_key(fingerprint: str, token_ids: list[int]) -> str:
+    """Content address of a chunk's KV: the model fingerprint plus the exact token ids."""
+    h = hashlib.sha256(fingerprint.encode())
+    h.update(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes())
+    return h.hexdigest()
+
+
+def model_fingerprint(model, tokenizer, sink: str) -> str:
+    """Identity of everything that makes a chunk's KV what it is: weights, tokenizer, dtype, layout, sink.
+
+    Weights are identified by a strided sample of every parameter (full hashing of a 1.5B model
+    costs seconds; a sample changes with any real change of checkpoint or quantization).
+    """
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        flat = p.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)][:4096]
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype}".encode())
+        h.update(sample.float().numpy().tobytes())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    h.update(hashlib.sha256(vocab.encode()).digest())
+    h.update(f"dtype={next(model.parameters()).dtype};layout={KV_LAYOUT_VERSION};sink={sink}".encode())
+    return h.hexdigest()

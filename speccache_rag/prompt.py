@@ -1,0 +1,103 @@
+"""RAG prompts at token level.
+
+The prompt is rendered through the model's chat template with placeholders where the chunks go,
+split at the placeholders, and each piece tokenized on its own: every chunk's tokens are then
+exactly the tokens it was precomputed with, whatever the template puts around it.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+_PLACEHOLDER = "\uE000SPECCACHE_CHUNK_{}\uE000"          # private-use code points: never in real text
+_PLACEHOLDER_RE = re.compile("\uE000SPECCACHE_CHUNK_(\\d+)\uE000")
+DEFAULT_SYSTEM = "Answer the question using the context. Be brief."
+
+
+@dataclass
+class RAGPrompt:
+    """A system message, retrieved chunks (each reused as a unit) and a question."""
+
+    system: str | None = DEFAULT_SYSTEM
+    chunks: list[str] = field(default_factory=list)
+    question: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.question, str) or not self.question.strip():
+            raise ValueError("the question is empty: RAGPrompt(question=...) needs text")
+        self.chunks = list(self.chunks)
+        for i, c in enumerate(self.chunks):
+            if not isinstance(c, str) or not c.strip():
+                raise ValueError(f"chunk {i} is empty; drop it or give it text")
+
+    def user_message(self, chunk_texts: list[str]) -> str:
+        context = "\n\n".join(chunk_texts)
+        return f"Context:\n{context}\n\nQuestion: {self.question}" if chunk_texts else self.question
+
+
+@dataclass
+class Segment:
+    """Tokens [start, end) of the prompt; ``chunk`` is the chunk index, or None for template text."""
+
+    start: int
+    end: int
+    text: str
+    chunk: int | None = None
+    offsets: list[tuple[int, int]] = field(default_factory=list)   # char span of each token within text
+
+
+@dataclass
+class TokenizedPrompt:
+    token_ids: list[int]
+    segments: list[Segment]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return torch.tensor(self.token_ids, dtype=torch.long)
+
+    def chunk_segments(self) -> list[Segment]:
+        return [s for s in self.segments if s.chunk is not None]
+
+
+def tokenize_piece(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Tokens of one piece of prompt text and their character offsets; no special tokens added."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+
+
+def render(prompt: RAGPrompt, tokenizer) -> TokenizedPrompt:
+    """Render through the chat template and tokenize piece by piece, keeping chunk boundaries."""
+    placeholders = [_PLACEHOLDER.format(i) for i in range(len(prompt.chunks))]
+    messages = [{"role": "user", "content": prompt.user_message(placeholders)}]
+    if prompt.system:
+        messages.insert(0, {"role": "system", "content": prompt.system})
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        text = "\n\n".join(m["content"] for m in messages) + "\n\nAnswer:"
+    if len(_PLACEHOLDER_RE.findall(text)) != len(placeholders):
+        raise ValueError("the chat template altered the chunk placeholders; cannot locate chunks")
+
+    token_ids: list[int] = []
+    segments: list[Segment] = []
+
+    def add(piece: str, chunk: int | None) -> None:
+        if not piece:
+            return
+        ids, offsets = tokenize_piece(tokenizer, piece)
+        segments.append(Segment(len(token_ids), len(token_ids) + len(ids), piece, chunk, offsets))
+        token_ids.extend(ids)
+
+    cursor = 0
+    for m in _PLACEHOLDER_RE.finditer(text):
+        add(text[cursor:m.start()], None)
+        idx = int(m.group(1))
+        add(prompt.chunks[idx], idx)
+        cursor = m.end()
+    add(text[cursor:], None)
+    return TokenizedPrompt(token_ids, segments)

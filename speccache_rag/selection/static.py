@@ -1,0 +1,24 @@
+"""Selections that ignore the prompt's content: EPIC's leading tokens and a random lower bound."""
+from __future__ import annotations
+
+import torch
+
+from .base import Selection
+
+
+def epic_select(sel: Selection) -> torch.Tensor:
+    """The first k tokens of every reused chunk (EPIC / LegoLink); k fills the budget when unset."""
+    chunks = [torch.arange(s.start, s.end) for s in sel.tokens.chunk_segments() if sel.reusable[s.start]]
+    k = sel.config.epic_k
+    if k is None:
+        k = 0
+        while k < max((len(c) for c in chunks), default=0) and sum(min(k, len(c)) for c in chunks) < sel.budget:
+            k += 1
+    picked = [c[:k] for c in chunks]
+    return torch.cat(picked) if picked else torch.empty(0, dtype=torch.long)
+
+
+def random_select(sel: Selection) -> torch.Tensor:
+    cand = sel.reusable_positions
+    gen = torch.Generator().manual_seed(sel.config.seed)
+    return cand[torch.randperm(cand.numel(), generator=gen)[: sel.budget]].sort().values

@@ -1,0 +1,117 @@
+"""Redis KV store: chunk caches shared by every engine and server pointed at one Redis.
+
+The cache is an accelerator, never a dependency: if Redis is down the engine must still answer, so
+this store degrades to an always-miss store (full prefill) instead of raising into the caller.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from typing import Callable, TypeVar
+
+from ..kv import ChunkKV, CorruptEntry
+from .base import KVStore
+
+PREFIX = "speccache:kv:"
+T = TypeVar("T")
+
+
+def _import_redis():
+    try:
+        import redis
+    except ImportError as e:
+        raise ImportError("the redis store needs the 'redis' extra: pip install 'speccache-rag[redis]'") from e
+    return redis
+
+
+class RedisStore(KVStore):
+    """Values are ``ChunkKV.to_bytes()`` blobs under ``speccache:kv:<key>``.
+
+    Eviction is Redis's own business (configure ``maxmemory`` and ``maxmemory-policy allkeys-lru``).
+    While the server is unreachable every call is a miss and puts are dropped; a reconnect is tried
+    at most every ``retry_interval`` seconds so a dead server costs nothing on the hot path.
+    """
+
+    def __init__(self, url: str, *, retry_interval: float = 5.0, connect_timeout: float = 1.0,
+                 socket_timeout: float = 10.0):
+        redis = _import_redis()
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self.retry_interval = retry_interval
+        # One immediate retry reconnects a pooled socket that died with a server restart; more
+        # (redis-py's defaults vary by version) would multiply the connect timeout on a dead server.
+        self._client = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout,
+                                            socket_timeout=socket_timeout, retry=Retry(NoBackoff(), 1))
+        # Errors meaning "no usable Redis there": back off. Others are per-operation failures.
+        self._down_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+                             redis.exceptions.InvalidResponse)
+        self._redis_error = redis.exceptions.RedisError
+        self._retry_at = 0.0  # monotonic time before which the server is presumed down
+        self._warned = False
+        self._lock = threading.Lock()
+        # Probe now so a misconfigured URL is reported at startup, not at the first query.
+        self._call(self._client.ping, False)
+
+    @property
+    def available(self) -> bool:
+        """False while the server is presumed down (between failed attempts)."""
+        return time.monotonic() >= self._retry_at
+
+    def get(self, key: str) -> ChunkKV | None:
+        blob = self._call(lambda: self._client.get(PREFIX + key), None)
+        if blob is None:
+            return None
+        try:
+            return ChunkKV.from_bytes(blob, expect_key=key)
+        except CorruptEntry as e:
+            warnings.warn(f"discarding corrupt KV entry {PREFIX + key} in Redis at {self._where()}: {e}",
+                          stacklevel=2)
+            self.delete(key)
+            return None
+
+    def put(self, chunk: ChunkKV) -> None:
+        blob = chunk.to_bytes()
+        self._call(lambda: self._client.set(PREFIX + chunk.key, blob), None)
+
+    def contains(self, key: str) -> bool:
+        return bool(self._call(lambda: self._client.exists(PREFIX + key), 0))
+
+    def delete(self, key: str) -> None:
+        self._call(lambda: self._client.delete(PREFIX + key), 0)
+
+    def keys(self) -> list[str]:
+        def scan() -> list[str]:
+            # SCAN, not KEYS: KEYS blocks a shared server for as long as it walks the keyspace.
+            return [k.decode()[len(PREFIX):] for k in self._client.scan_iter(match=PREFIX + "*", count=1000)]
+        return self._call(scan, [])
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _call(self, op: Callable[[], T], fallback: T) -> T:
+        """Run one Redis operation; on any Redis failure return ``fallback`` instead of raising."""
+        if not self.available:
+            return fallback
+        try:
+            return op()
+        except self._down_errors:
+            with self._lock:
+                self._retry_at = time.monotonic() + self.retry_interval
+                first = not self._warned
+                self._warned = True
+            if first:
+                warnings.warn(f"Redis at {self._where()} is unreachable; KV reuse disabled, "
+                              "falling back to full prefill", stacklevel=3)
+            return fallback
+        except self._redis_error as e:
+            # Reachable but refusing (e.g. OOM under maxmemory with noeviction): a miss, not a crash.
+            warnings.warn(f"Redis at {self._where()} failed a KV operation: {e}", stacklevel=3)
+            return fallback
+
+    def _where(self) -> str:
+        kw = self._client.connection_pool.connection_kwargs
+        if "path" in kw:
+            return kw["path"]
+        return f"{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"

@@ -1,0 +1,108 @@
+"""The guard: with every token recomputed, each method equals full prefill; with none, it does not."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from speccache_rag import RAGPrompt, ReuseConfig, SpecCacheEngine
+from speccache_rag.models import tiny_random_model
+from speccache_rag.rope import rotate_keys
+from speccache_rag.runner import KVCache, decode_one, full_prefill, prefill
+
+ALL_BUT_REUSE = ["full", "epic", "cacheblend", "speccache", "random", "oracle"]
+
+CHUNKS = [
+    "Zorblat Industries was founded in 1987 by Mira Quell in the town of Vessendorf. The company makes "
+    "copper kettles, employs 240 people and exports most of its output to Denmark.",
+    "Mira Quell was born in 1950 in Ostrava. She studied metallurgy, worked in a foundry for twelve years "
+    "and later moved to Vessendorf, where she opened a small workshop.",
+    "Vessendorf is a small town on the river Lenne, known for its annual kettle festival held every "
+    "August. The festival draws about nine thousand visitors.",
+    "The Lenne rises in the hills north of Vessendorf and joins a larger river after sixty kilometres.",
+]
+QUESTION = "In which year was the founder of Zorblat Industries born?"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_runner_matches_transformers(arch):
+    model, _ = tiny_random_model(arch, tokenizer=_FakeTok())
+    ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids[None]).logits[0]
+        ref_next = model(torch.cat([ids, torch.tensor([7])])[None]).logits[0, -1]
+    cache, last = full_prefill(model, ids, capacity=41)
+    torch.testing.assert_close(last, ref[-1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(decode_one(model, cache, 7, 40), ref_next, atol=1e-5, rtol=1e-5)
+
+
+def test_blend_of_scattered_subset_is_causal_by_true_position():
+    """Recomputing positions {0..9} ∪ {20..29} over a cache whose other entries are exact gives exact logits."""
+    model, _ = tiny_random_model("llama", tokenizer=_FakeTok())
+    ids = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(1))
+    exact, ref = full_prefill(model, ids)
+    cache = KVCache(exact.k.clone(), exact.v.clone())
+    subset = torch.cat([torch.arange(0, 10), torch.arange(20, 30)])
+    cache.k[:, :, subset] = 0
+    cache.v[:, :, subset] = 0
+    out = prefill(model, cache, ids[subset], subset)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.k, exact.k, atol=1e-5, rtol=1e-5)
+
+
+def test_rotating_pre_rope_keys_equals_model_keys_at_position(smollm2):
+    """A chunk's stored pre-RoPE keys, rotated to p.., equal the model's own keys for it at p.."""
+    model, tok = smollm2
+    ids = torch.tensor(tok(CHUNKS[0], add_special_tokens=False)["input_ids"])
+    stored, _ = full_prefill(model, ids, keep_pre_rope=True)
+    p = 137
+    with torch.no_grad():
+        past = model(ids[None], position_ids=torch.arange(p, p + len(ids))[None], use_cache=True).past_key_values
+    for layer in (0, model.config.num_hidden_layers // 2, model.config.num_hidden_layers - 1):
+        rotated = rotate_keys(model, stored.k_pre[layer], torch.arange(p, p + len(ids)))
+        torch.testing.assert_close(rotated, past.layers[layer].keys[0], atol=2e-4, rtol=1e-4)
+    # and the rotation is not a no-op: position 0 keys differ from position p keys
+    assert (rotate_keys(model, stored.k_pre[0], torch.arange(len(ids))) - past.layers[0].keys[0]).abs().max() > 1e-2
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    model, tok = smollm2
+    eng = SpecCacheEngine(model, tok, store="memory://")
+    eng.precompute(CHUNKS)
+    return eng
+
+
+@pytest.fixture(scope="module")
+def full_out(engine):
+    prompt = RAGPrompt(chunks=CHUNKS, question=QUESTION)
+    return engine.generate(prompt, max_new_tokens=12, reuse=ReuseConfig(method="full"), return_first_logits=True)
+
+
+@pytest.mark.parametrize("method", ALL_BUT_REUSE)
+def test_every_method_at_ratio_one_equals_full_prefill(engine, full_out, method):
+    prompt = RAGPrompt(chunks=CHUNKS, question=QUESTION)
+    out = engine.generate(prompt, max_new_tokens=12, reuse=ReuseConfig(method=method, recompute_ratio=1.0),
+                          return_first_logits=True)
+    assert out.stats.cache_hits == (0 if method == "full" else len(CHUNKS))
+    assert out.stats.recomputed_tokens == out.stats.prompt_tokens
+    torch.testing.assert_close(out.first_logits, full_out.first_logits, atol=1e-3, rtol=1e-4)
+    assert out.token_ids == full_out.token_ids
+
+
+def test_reuse_without_recompute_measurably_differs(engine, full_out):
+    prompt = RAGPrompt(chunks=CHUNKS, question=QUESTION)
+    out = engine.generate(prompt, max_new_tokens=12, reuse=ReuseConfig(method="reuse"), return_first_logits=True)
+    assert out.stats.cache_hits == len(CHUNKS)
+    assert 0 < out.stats.recomputed_tokens < out.stats.prompt_tokens / 2
+    kl = F.kl_div(out.first_logits.log_softmax(-1), full_out.first_logits.log_softmax(-1), log_target=True,
+                  reduction="sum")
+    assert (out.first_logits - full_out.first_logits).abs().max() > 0.1
+    assert kl > 1e-3
+
+
+class _FakeTok:
+    """Enough of a tokenizer for tiny_random_model when no text is involved."""
+
+    bos_token_id, eos_token_id, pad_token_id = 1, 2, 0
+
+    def __len__(self):
+        return 1000
