@@ -90,6 +90,13 @@ def _precompute(engine, texts: Sequence[str]) -> int:
     return before.count(False)
 
 
+def _warm_up(engine) -> None:
+    """One throw-away generation, so that the first timed one does not pay for one-time set-up."""
+    from .prompt import RAGPrompt
+
+    engine.generate(RAGPrompt(question="Hello"), max_new_tokens=1, reuse=ReuseConfig(method="full"))
+
+
 def _stats_line(stats) -> str:
     return (f"method={stats.method} ttft={stats.ttft_s:.3f}s total={stats.total_s:.3f}s "
             f"prompt_tokens={stats.prompt_tokens} reused={stats.reused_tokens} "
@@ -145,6 +152,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
                 _err(f"note: {missing} of {len(picked)} chunks are not in the store; they are recomputed this "
                      f"time and stored for next time (run 'speccache-rag precompute' first)")
         prompt = RAGPrompt(chunks=[c.text for c in picked], question=args.question)
+        _warm_up(engine)
         if args.stream:
             for piece in engine.stream(prompt, max_new_tokens=args.max_new_tokens, reuse=reuse):
                 sys.stdout.write(piece)
@@ -177,8 +185,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             if args.draft in (None, args.target):
                 print("note: the draft is the target itself, so choosing tokens costs a full draft prefill; "
                       "TTFT gains come with a draft smaller than the target")
-            # one throw-away generation, so that the first timed one does not pay for warm-up
-            engine.generate(RAGPrompt(question="Hello"), max_new_tokens=1, reuse=ReuseConfig(method="full"))
+            _warm_up(engine)
 
             methods = (("full", ReuseConfig(method="full")),
                        ("speccache", ReuseConfig(method="speccache", recompute_ratio=args.ratio)))

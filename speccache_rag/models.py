@@ -300,17 +300,19 @@ def _verify_gguf(path: Path, expected_size: int | None = None) -> dict[str, Any]
         end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
         arch_field = reader.fields.get("general.architecture")
         arch = arch_field.contents() if arch_field is not None else None
+        template_field = reader.fields.get("tokenizer.chat_template")
+        template = template_field.contents() if template_field is not None else None
     except Exception as e:  # GGUFReader raises ValueError / IndexError / struct errors on damage
         raise ModelFileError(f"{path} is not a readable GGUF file (truncated or corrupt): {e}") from e
     if n_tensors == 0:
         raise ModelFileError(f"{path} holds no tensors")
     if end > size:
         raise ModelFileError(f"{path} is truncated: tensor data ends at byte {end}, file has {size}")
-    return {"architecture": arch, "tensor_count": n_tensors, "size": size}
+    return {"architecture": arch, "tensor_count": n_tensors, "size": size, "chat_template": template}
 
 
-def _assemble(spec: PackagedModel, gguf_dir: Path) -> tuple[Path, str]:
-    """Return (path of the verified GGUF, its SHA-256), assembling split parts into the cache.
+def _assemble(spec: PackagedModel, gguf_dir: Path) -> tuple[Path, str, dict[str, Any]]:
+    """Return (path of the verified GGUF, its SHA-256, header facts), assembling split parts into the cache.
 
     Single-part models are used in place.  The SHA-256 is recorded in ``<name>.gguf.json`` the first
     time and checked against it (and against the registry's pin, when set) afterwards.
@@ -327,7 +329,7 @@ def _assemble(spec: PackagedModel, gguf_dir: Path) -> tuple[Path, str]:
 
     if len(parts) == 1:
         target = parts[0]
-        _verify_gguf(target, spec.size)
+        info = _verify_gguf(target, spec.size)
         sha = recorded.get("sha256") if recorded.get("size") == total and recorded.get("path") == str(target) \
             and recorded.get("mtime_ns") == target.stat().st_mtime_ns else None
         if sha is None:
@@ -337,6 +339,7 @@ def _assemble(spec: PackagedModel, gguf_dir: Path) -> tuple[Path, str]:
         if target.is_file() and target.stat().st_size == total and recorded.get("sha256") \
                 and recorded.get("mtime_ns") == target.stat().st_mtime_ns:
             sha = recorded["sha256"]
+            info = _verify_gguf(target, total)
         else:
             tmp = gguf_dir / f".{spec.gguf_filename}.{uuid.uuid4().hex}.part"
             h = hashlib.sha256()
@@ -348,7 +351,7 @@ def _assemble(spec: PackagedModel, gguf_dir: Path) -> tuple[Path, str]:
                                 out.write(chunk)
                                 h.update(chunk)
                                 bar.update(len(chunk))
-                _verify_gguf(tmp, total)
+                info = _verify_gguf(tmp, total)
                 os.replace(tmp, target)
             finally:
                 if tmp.exists():
@@ -376,23 +379,13 @@ def _assemble(spec: PackagedModel, gguf_dir: Path) -> tuple[Path, str]:
         })
     elif recorded.get("mtime_ns") != target.stat().st_mtime_ns or recorded.get("path") != str(target):
         _write_json_atomic(sidecar, {**recorded, "path": str(target), "mtime_ns": target.stat().st_mtime_ns})
-    return target, sha
+    return target, sha, info
 
 
 # --------------------------------------------------------------------------------------------------
 # GGUF -> safetensors conversion
 # --------------------------------------------------------------------------------------------------
-def _gguf_chat_template(path: Path) -> str | None:
-    import gguf
-
-    try:
-        field = gguf.GGUFReader(str(path)).fields.get("tokenizer.chat_template")
-        return field.contents() if field is not None else None
-    except Exception:
-        return None
-
-
-def _convert(gguf_path: Path, final: Path, source: dict[str, Any]) -> None:
+def _convert(gguf_path: Path, final: Path, source: dict[str, Any], chat_template: str | None = None) -> None:
     """De-quantize ``gguf_path`` to float32 and save a transformers directory at ``final``.
 
     Everything is written into a sibling temp directory that is renamed into place at the end, so an
@@ -435,9 +428,8 @@ def _convert(gguf_path: Path, final: Path, source: dict[str, Any]) -> None:
         log(f"saved weights in {t_save - t_load:.1f}s; converting the tokenizer …")
 
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        template = _gguf_chat_template(gguf_path)
-        if template and not tokenizer.chat_template:
-            tokenizer.chat_template = template
+        if chat_template and not tokenizer.chat_template:
+            tokenizer.chat_template = chat_template
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.save_pretrained(str(tmp))
@@ -500,8 +492,12 @@ def _ensure_converted(key: str, get_gguf, source: dict[str, Any]) -> Path:
         if _is_converted(final):  # another process finished meanwhile
             return final
         _clean_stale(models_dir, key)
-        gguf_path, sha = get_gguf()
-        _convert(gguf_path, final, {**source, "gguf": str(gguf_path), "gguf_sha256": sha})
+        if final.exists():  # incomplete (no completion record): left by an interrupted run
+            shutil.rmtree(final)
+        gguf_path, sha, info = get_gguf()
+        _convert(gguf_path, final, {**source, "gguf": str(gguf_path), "gguf_sha256": sha,
+                                    "gguf_architecture": info.get("architecture")},
+                 chat_template=info.get("chat_template"))
     return final
 
 
@@ -526,7 +522,7 @@ def _resolve_packaged(spec: PackagedModel) -> Path:
     return out
 
 
-def _gguf_key(path: Path) -> tuple[str, str]:
+def _gguf_key(path: Path) -> tuple[str, str, dict[str, Any] | None]:
     """Cache key ``<stem>-<sha256[:16]>`` for a GGUF file; the hash is memoized by (path, size, mtime)."""
     _, gguf_dir, _ = _dirs()
     index_path = gguf_dir / "hashes.json"
@@ -536,15 +532,15 @@ def _gguf_key(path: Path) -> tuple[str, str]:
         index = json.loads(index_path.read_text())
     except (OSError, ValueError):
         index = {}
-    sha = index.get(ident)
+    sha, info = index.get(ident), None
     if sha is None:
-        _verify_gguf(path)
+        info = _verify_gguf(path)
         sha = _sha256_file(path)
         index[ident] = sha
         with contextlib.suppress(OSError):
             _write_json_atomic(index_path, index)
     stem = "".join(c if c.isalnum() or c in "._-" else "_" for c in path.stem)[:64]
-    return f"{stem}-{sha[:16]}", sha
+    return f"{stem}-{sha[:16]}", sha, info
 
 
 def resolve(name_or_path: str | os.PathLike) -> Path:
@@ -576,14 +572,13 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
                     raise ValueError(f"{path} is neither a .gguf file nor a model directory")
         path = path.resolve()
         models_dir = _dirs()[0]
-        key, sha = _gguf_key(path)
+        key, sha, info = _gguf_key(path)
         final = models_dir / key
         if _is_converted(final):
             return final
 
         def get_gguf():
-            _verify_gguf(path)
-            return path, sha
+            return path, sha, info or _verify_gguf(path)
 
         return _ensure_converted(key, get_gguf, {"name": key, "gguf_source": str(path)})
     if path.suffix.lower() == ".gguf" or os.sep in s or "/" in s:

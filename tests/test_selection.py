@@ -1,0 +1,125 @@
+import pytest
+import torch
+
+from speccache_rag import RAGPrompt, ReuseConfig
+from speccache_rag.models import load_tokenizer
+from speccache_rag.prompt import render
+from speccache_rag.selection import Selection, budget_for, epic_select, random_select, top_positions
+from speccache_rag.selection.speculative import expand, map_to_target, smooth_spans
+
+CHUNKS = [
+    "Kettlewright Quorvane measured 3.75 kilograms; its hallmark reads QX-17/β and was stamped in Vessendorf.",
+    "The chronometer's escapement—built by Ottoline Brückner-Saavedra—drifted 0.004 s per day (±0.001).",
+    "def frobnicate(x):\n    return x ** 2  # squares the input\n\nprint(frobnicate(12))",
+]
+
+
+@pytest.mark.parametrize("ratio", [-0.01, 1.01, float("nan"), "0.5"])
+def test_ratio_outside_unit_interval_is_rejected(ratio):
+    with pytest.raises(ValueError, match="recompute_ratio"):
+        ReuseConfig(recompute_ratio=ratio)
+
+
+def test_unknown_method_is_rejected():
+    with pytest.raises(ValueError, match="unknown method 'magic'"):
+        ReuseConfig(method="magic")
+
+
+def test_budget_rounds_up_without_float_noise():
+    assert budget_for(0.15, 100) == 15
+    assert budget_for(0.15, 101) == 16
+    assert budget_for(1.0, 37) == 37
+    assert budget_for(0.0, 37) == 0
+
+
+def test_top_positions_picks_best_candidates_sorted():
+    scores = torch.tensor([9.0, 1.0, 5.0, 7.0, 3.0, 8.0])
+    assert top_positions(scores, torch.tensor([1, 2, 3, 4, 5]), 2).tolist() == [3, 5]
+
+
+def test_smooth_spans_cut_at_jumps_and_cap():
+    scores = torch.tensor([1.0, 1.1, 1.2, 3.0, 3.1, 1.0] + [1.0] * 5)
+    assert smooth_spans(scores, 0, 6, tau_smooth=0.4, max_span=16) == [range(0, 3), range(3, 5), range(5, 6)]
+    assert smooth_spans(scores, 5, 11, tau_smooth=0.4, max_span=2) == [range(5, 7), range(7, 9), range(9, 11)]
+
+
+def test_expand_completes_mostly_selected_spans_first():
+    scores = torch.tensor([5.0, 4.9, 1.0, 4.8, 0.5, 0.4, 0.3])
+    spans = [range(0, 4), range(4, 7)]                       # 3 of 4 of the first span are in the top 3
+    order = expand(scores, torch.arange(7), spans, k=3, tau_cover=0.7)
+    assert order[:3] == [0, 1, 3]
+    assert order[3] == 2                                     # completion outranks the higher-scored rest
+    assert sorted(order) == list(range(7))
+
+
+def _selection(tokens, ratio, **kw):
+    reusable = torch.zeros(len(tokens), dtype=torch.bool)
+    for s in tokens.chunk_segments():
+        reusable[s.start:s.end] = True
+    cfg = ReuseConfig(recompute_ratio=ratio, **kw)
+    return Selection(tokens, reusable, budget_for(ratio, int(reusable.sum())), cfg)
+
+
+def test_epic_takes_leading_tokens_of_each_chunk():
+    tok = load_tokenizer("smollm2-135m")
+    tokens = render(RAGPrompt(chunks=CHUNKS, question="What?"), tok)
+    sel = _selection(tokens, 0.2, method="epic", epic_k=4)
+    picked = epic_select(sel).tolist()
+    assert picked == [p for s in tokens.chunk_segments() for p in range(s.start, s.start + 4)]
+    auto = epic_select(_selection(tokens, 0.2, method="epic"))
+    assert len(auto) >= sel.budget and all(sel.reusable[auto])
+
+
+def test_random_is_seeded_and_within_reusable():
+    tok = load_tokenizer("smollm2-135m")
+    tokens = render(RAGPrompt(chunks=CHUNKS, question="What?"), tok)
+    a = random_select(_selection(tokens, 0.3, method="random", seed=3))
+    b = random_select(_selection(tokens, 0.3, method="random", seed=3))
+    c = random_select(_selection(tokens, 0.3, method="random", seed=4))
+    assert a.tolist() == b.tolist() != c.tolist()
+    assert _selection(tokens, 0.3).reusable[a].all()
+
+
+@pytest.fixture(scope="module")
+def two_tokenizers():
+    return load_tokenizer("smollm2-135m"), load_tokenizer("qwen2.5-coder-0.5b")
+
+
+def test_chunk_tokens_are_the_precomputed_tokens(two_tokenizers):
+    for tok in two_tokenizers:
+        tokens = render(RAGPrompt(chunks=CHUNKS, question="What?"), tok)
+        for seg in tokens.chunk_segments():
+            alone = tok(CHUNKS[seg.chunk], add_special_tokens=False)["input_ids"]
+            assert tokens.token_ids[seg.start:seg.end] == alone
+        assert tok.decode(tokens.token_ids) == tok.apply_chat_template(
+            [{"role": "system", "content": RAGPrompt.system},
+             {"role": "user", "content": RAGPrompt(chunks=CHUNKS, question="What?").user_message(CHUNKS)}],
+            tokenize=False, add_generation_prompt=True)
+
+
+def test_cross_tokenizer_mapping_by_character_offsets(two_tokenizers):
+    smol, qwen = two_tokenizers
+    prompt = RAGPrompt(chunks=CHUNKS, question="What?")
+    draft, target = render(prompt, smol), render(prompt, qwen)
+    d_chunks = {s.chunk: s for s in draft.chunk_segments()}
+    t_chunks = {s.chunk: s for s in target.chunk_segments()}
+    # the two tokenizers really cut these chunks differently
+    assert any(len(d_chunks[c].offsets) != len(t_chunks[c].offsets) for c in d_chunks)
+    mapping = map_to_target(draft, target)
+    covered = set()
+    for c, ds in d_chunks.items():
+        ts = t_chunks[c]
+        for j, (a, b) in enumerate(ds.offsets):
+            for t in mapping[ds.start + j]:
+                ta, tb = ts.offsets[t - ts.start]
+                assert ts.start <= t < ts.end and ta < b and a < tb      # same chunk, overlapping characters
+            covered.update(mapping[ds.start + j])
+    every_target_chunk_token = {p for s in t_chunks.values() for p in range(s.start, s.end)}
+    assert covered == every_target_chunk_token
+    # a word cut differently maps onto exactly the target tokens that spell it
+    word = "Brückner-Saavedra"
+    ds, ts = d_chunks[1], t_chunks[1]
+    at = CHUNKS[1].index(word)
+    d_pos = [ds.start + j for j, (a, b) in enumerate(ds.offsets) if a < at + len(word) and at < b]
+    t_pos = {ts.start + j for j, (a, b) in enumerate(ts.offsets) if a < at + len(word) and at < b}
+    assert {t for d in d_pos for t in mapping[d]} == t_pos
