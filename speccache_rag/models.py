@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -233,14 +232,14 @@ def _dirs() -> tuple[Path, Path, Path]:
 def _locked(lock_path: Path):
     """An inter-process lock (``filelock``); only the atomic renames protect us without it."""
     try:
-        from filelock import FileLock
+        from filelock import FileLock, Timeout
     except ImportError:  # pragma: no cover - filelock ships with huggingface_hub
         yield
         return
     lock = FileLock(str(lock_path))
     try:
         lock.acquire(timeout=1)
-    except Exception:
+    except Timeout:
         print(f"[speccache-rag] waiting for another process preparing {lock_path.stem} …", file=sys.stderr)
         lock.acquire()
     try:
@@ -416,7 +415,10 @@ def _convert(gguf_path: Path, final: Path, source: dict[str, Any], chat_template
         state = gguf_model.state_dict()
         with _no_init():  # every parameter is overwritten just below; random init costs seconds
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(state, strict=True)
+        # take over the de-quantized tensors instead of copying them: halves peak memory
+        model.load_state_dict(state, strict=True, assign=True)
+        if getattr(config, "tie_word_embeddings", False):
+            model.tie_weights()
         del state, gguf_model
         if model.generation_config is not None:
             model.generation_config.bos_token_id = config.bos_token_id
@@ -616,9 +618,9 @@ def _prepare_tokenizer(tokenizer, where: str):
 
 def load_tokenizer(name_or_path: str | os.PathLike):
     """The (fast, pad-token-set) tokenizer of a model, after ``resolve``."""
+    path = resolve(name_or_path)
     from transformers import AutoTokenizer
 
-    path = resolve(name_or_path)
     return _prepare_tokenizer(AutoTokenizer.from_pretrained(str(path)), os.fspath(name_or_path))
 
 

@@ -36,6 +36,11 @@ class RAGPrompt:
         context = "\n\n".join(chunk_texts)
         return f"Context:\n{context}\n\nQuestion: {self.question}" if chunk_texts else self.question
 
+    def messages(self, chunk_texts: list[str]) -> list[dict]:
+        """The chat messages, with ``chunk_texts[i]`` where chunk i goes (``render`` passes placeholders)."""
+        user = [{"role": "user", "content": self.user_message(chunk_texts)}]
+        return [{"role": "system", "content": self.system}, *user] if self.system else user
+
 
 @dataclass
 class Segment:
@@ -73,9 +78,7 @@ def tokenize_piece(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int
 def render(prompt: RAGPrompt, tokenizer) -> TokenizedPrompt:
     """Render through the chat template and tokenize piece by piece, keeping chunk boundaries."""
     placeholders = [_PLACEHOLDER.format(i) for i in range(len(prompt.chunks))]
-    messages = [{"role": "user", "content": prompt.user_message(placeholders)}]
-    if prompt.system:
-        messages.insert(0, {"role": "system", "content": prompt.system})
+    messages = prompt.messages(placeholders)
     if tokenizer.chat_template:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     else:

@@ -1,8 +1,18 @@
+"""Session-wide fixtures shared by the test files."""
 import pytest
 
 
 @pytest.fixture(scope="session")
 def smollm2():
+    """``(model, tokenizer)`` of the real SmolLM2-135M-Instruct, loaded once per session (float32)."""
     from speccache_rag.models import load
 
     return load("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def demo_docs():
+    """The embedded demo documents as ``[(file name, text), …]``, in file-name order."""
+    from speccache_rag.data import demo_documents
+
+    return demo_documents()

@@ -391,3 +391,48 @@ def test_tiny_random_model_is_deterministic(arch):
     state = torch.get_rng_state()
     models.tiny_random_model(arch, seed=3, tokenizer=tok)
     assert torch.equal(state, torch.get_rng_state())
+
+
+@pytest.mark.slow
+def test_gguf_file_path_converts_to_the_same_weights():
+    """A .gguf path goes through the same verified conversion (cached under <stem>-<sha>)."""
+    _require("smollm2-135m")
+    import hashlib
+
+    gguf_path = models._part_paths(models.PACKAGED["smollm2-135m"])[0]
+    by_path = models.resolve(gguf_path)
+    by_name = models.resolve("smollm2-135m")
+    assert by_path != by_name and by_path.name.startswith("SmolLM2-135M-Instruct.Q4_1-b179c9523d0e")
+
+    def digest(p):
+        h = hashlib.sha256()
+        with open(p / "model.safetensors", "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        return h.hexdigest()
+
+    assert digest(by_path) == digest(by_name)
+    t0 = time.perf_counter()
+    assert models.resolve(gguf_path) == by_path  # memoized hash: no re-hash, no reconversion
+    assert time.perf_counter() - t0 < 0.5
+
+
+@pytest.mark.slow
+def test_qwen15_shares_the_qwen05_tokenizer():
+    """The same-family pair (target 1.5B, draft 0.5B) must tokenize identically.
+
+    Converting the 1.5B model takes ~5 minutes and ~9 GB of memory, so this runs only when it is
+    already converted or SPECCACHE_TEST_LARGE=1.
+    """
+    _require("qwen2.5-coder-0.5b")
+    _require("qwen2.5-coder-1.5b")
+    if not (models._is_converted(models.cache_home() / "models" / "qwen2.5-coder-1.5b")
+            or os.environ.get("SPECCACHE_TEST_LARGE") == "1"):
+        pytest.skip("qwen2.5-coder-1.5b is not converted yet (set SPECCACHE_TEST_LARGE=1 to convert it)")
+    small = models.load_tokenizer("qwen2.5-coder-0.5b")
+    large = models.load_tokenizer("qwen2.5-coder-1.5b")
+    text = "def f(x):\n    return x ** 2  # The capital of France is Paris."
+    assert large.encode(text) == small.encode(text) and len(large) == len(small)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+    assert (large.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            == small.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))

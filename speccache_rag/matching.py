@@ -1,0 +1,255 @@
+"""Finding known chunks inside an arbitrary prompt string.
+
+LlamaIndex and LangChain hand an LLM only the final prompt text or chat messages, never the retrieved
+chunks. This module finds, by exact content, every chunk the engine knows (precomputed, stored, or
+named by a retrieval hint) inside that text, and turns the messages into a :class:`ChatPrompt` whose
+chunks ``render`` tokenizes on their own, exactly as they were precomputed. Text that matches no
+known chunk stays ordinary prompt text: it is recomputed, never reused by mistake.
+
+Matching is exact (after stripping each chunk's outer whitespace, as LlamaIndex's COMPACT mode does)
+and uses the last ``ANCHOR_CHARS`` characters of each chunk as a hash anchor, so one pass over the
+prompt checks every known chunk however many there are. Tails, not heads, are anchored because
+LlamaIndex prefixes every node of a file with the same metadata lines.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import weakref
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from .engine import GenerationOutput
+from .prompt import RAGPrompt
+
+ANCHOR_CHARS = 32                   # also the shortest text that counts as a chunk
+_Part = str | int                   # literal text, or the index of a chunk
+
+
+@dataclass
+class ChatPrompt(RAGPrompt):
+    """Chat messages in which chunks were found by content; renders like a ``RAGPrompt``.
+
+    ``turns[i] = (role, parts)``: each part is literal text or the index of a chunk in ``chunks``.
+    ``system`` is unused (the system message, if any, is one of the turns); ``question`` holds the
+    text of the last turn, for display.
+    """
+
+    system: str | None = None
+    turns: list[tuple[str, list[_Part]]] = field(default_factory=list)
+
+    def messages(self, chunk_texts: list[str]) -> list[dict]:
+        return [{"role": role, "content": "".join(p if isinstance(p, str) else chunk_texts[p] for p in parts)}
+                for role, parts in self.turns]
+
+
+class ChunkIndex:
+    """The texts of the chunks an engine knows, searchable inside any prompt string.
+
+    Thread-safe. Texts come from ``add`` (precompute, hints seen in prompts) and from ``sync``,
+    which reads the texts of store entries not yet seen (``ChunkKV.meta["text"]``).
+    """
+
+    def __init__(self):
+        self._tails: dict[str, list[str]] = {}      # last ANCHOR_CHARS characters → chunk texts
+        self._texts: set[str] = set()
+        self._synced: set[str] = set()              # store keys already read
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+    def __contains__(self, text: str) -> bool:
+        return text.strip() in self._texts
+
+    def add(self, texts: Iterable[str], keys: Iterable[str] = ()) -> None:
+        """Remember chunk texts (stripped; shorter than ``ANCHOR_CHARS`` ignored); ``keys``: their
+        store keys, which ``sync`` then need not read."""
+        with self._lock:
+            self._synced.update(keys)
+            for text in texts:
+                text = text.strip() if isinstance(text, str) else ""
+                if len(text) >= ANCHOR_CHARS and text not in self._texts:
+                    self._texts.add(text)
+                    self._tails.setdefault(text[-ANCHOR_CHARS:], []).append(text)
+
+    def sync(self, store) -> int:
+        """Learn the texts of store entries added since the last sync (by any process); → how many."""
+        new = [k for k in store.keys() if k not in self._synced]
+        texts = []
+        for key in new:
+            text = stored_text(store, key)
+            if text:
+                texts.append(text)
+        self.add(texts, new)
+        return len(texts)
+
+    def find(self, text: str, hints: Iterable[str] = ()) -> list[tuple[int, int]]:
+        """Non-overlapping ``(start, end)`` character spans of known chunks (and of ``hints``) in
+        ``text``, left to right; where two candidates overlap the earlier, then the longer, wins."""
+        extra: dict[str, list[str]] = {}
+        for h in hints:
+            h = h.strip() if isinstance(h, str) else ""
+            if len(h) >= ANCHOR_CHARS and h not in self._texts:
+                extra.setdefault(h[-ANCHOR_CHARS:], []).append(h)
+        found = []
+        for end in range(ANCHOR_CHARS, len(text) + 1):
+            tail = text[end - ANCHOR_CHARS:end]
+            for candidates in (self._tails.get(tail), extra.get(tail)):
+                for chunk in candidates or ():
+                    start = end - len(chunk)
+                    if start >= 0 and text.startswith(chunk, start):
+                        found.append((start, end))
+        spans, cursor = [], 0
+        for start, end in sorted(found, key=lambda s: (s[0], s[0] - s[1])):
+            if start >= cursor:
+                spans.append((start, end))
+                cursor = end
+        return spans
+
+
+def stored_text(store, key: str) -> str | None:
+    """The chunk text stored with ``key`` (``meta["text"]``), reading only the header where possible."""
+    from .store import DiskStore
+
+    if isinstance(store, DiskStore):
+        try:
+            with open(store.path(key), "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+            return json.loads(header["__metadata__"]["json"]).get("text")
+        except (OSError, ValueError, KeyError):     # vanished, torn or foreign: not a known chunk
+            return None
+    entry = store.get(key)
+    return entry.meta.get("text") if entry is not None else None
+
+
+def split_chunks(content: str, index: ChunkIndex, hints: Iterable[str] = (),
+                 chunks: list[str] | None = None) -> list[_Part]:
+    """``content`` as literal text and chunk indices; found chunks are appended to ``chunks``."""
+    chunks = [] if chunks is None else chunks
+    parts: list[_Part] = []
+    cursor = 0
+    for start, end in index.find(content, hints):
+        if start > cursor:
+            parts.append(content[cursor:start])
+        parts.append(len(chunks))
+        chunks.append(content[start:end])
+        cursor = end
+    if cursor < len(content):
+        parts.append(content[cursor:])
+    return parts
+
+
+def match_prompt(prompt: str | Sequence[dict], index: ChunkIndex, hints: Iterable[str] = ()) -> ChatPrompt:
+    """A ``ChatPrompt`` for a completion prompt (one user message) or a list of ``{"role", "content"}``
+    messages, with every chunk known to ``index`` or named in ``hints`` marked for reuse."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if not messages:
+        raise ValueError("the prompt has no messages")
+    hints = list(hints)
+    chunks: list[str] = []
+    turns = []
+    for m in messages:
+        content = m.get("content") or ""
+        if not isinstance(content, str):
+            raise TypeError(f"message content must be text, got {type(content).__name__}")
+        turns.append((m["role"], split_chunks(content, index, hints, chunks)))
+    question = next((m["content"] for m in reversed(messages) if (m.get("content") or "").strip()), "")
+    if not question.strip():
+        raise ValueError("the prompt is empty: give the model some text")
+    return ChatPrompt(chunks=chunks, question=question, turns=turns)
+
+
+_INDEXES: "weakref.WeakKeyDictionary[object, ChunkIndex]" = weakref.WeakKeyDictionary()
+_INDEXES_LOCK = threading.Lock()
+
+
+def chunk_index(engine) -> ChunkIndex:
+    """The ``ChunkIndex`` shared by everything that uses ``engine`` (one per engine)."""
+    with _INDEXES_LOCK:
+        if engine not in _INDEXES:
+            _INDEXES[engine] = ChunkIndex()
+        return _INDEXES[engine]
+
+
+def precompute_texts(engine, texts: Iterable[str], progress: bool = False) -> list[str]:
+    """``engine.precompute`` of the stripped texts, remembered for matching; → their keys."""
+    texts = [t.strip() for t in texts]
+    keys = engine.precompute(texts, progress=progress)
+    chunk_index(engine).add(texts, keys)
+    return keys
+
+
+def prompt_from_text(engine, prompt: str | Sequence[dict], hints: Iterable[str] | None = None) -> ChatPrompt:
+    """The ``ChatPrompt`` for a framework's prompt text or messages, ready for ``engine.generate``.
+
+    Without hints the index first learns any chunks stored since it last looked (other processes,
+    direct ``engine.precompute`` calls). Hints that occur in the prompt are remembered, so a chunk
+    seen once (and then stored by the engine's miss filling) is reused the next time.
+    """
+    index = chunk_index(engine)
+    hints = [h for h in (hints or ()) if isinstance(h, str)]
+    if not hints:
+        index.sync(engine.store)
+    matched = match_prompt(prompt, index, hints)
+    index.add(matched.chunks)
+    return matched
+
+
+# ---- generation from a framework's prompt ------------------------------------------------------
+_LOCKS: "weakref.WeakKeyDictionary[object, threading.Lock]" = weakref.WeakKeyDictionary()
+
+
+def _engine_lock(engine) -> threading.Lock:
+    with _INDEXES_LOCK:
+        return _LOCKS.setdefault(engine, threading.Lock())
+
+
+def stream_text(engine, prompt: str | Sequence[dict], hints: Iterable[str] | None = None,
+                **generate_kwargs) -> Iterator[str | GenerationOutput]:
+    """Generate from a prompt string or chat messages: yields text pieces as they are decoded, then
+    the ``GenerationOutput``. One generation per engine runs at a time (calls from other threads wait).
+    ``generate_kwargs`` are those of ``SpecCacheEngine.stream`` (max_new_tokens, reuse, temperature, …)."""
+    with _engine_lock(engine):
+        rag_prompt = prompt_from_text(engine, prompt, hints)
+        yield from engine.stream(rag_prompt, **generate_kwargs)
+        yield engine.last_output
+
+
+async def astream_text(engine, prompt: str | Sequence[dict], hints: Iterable[str] | None = None,
+                       **generate_kwargs) -> AsyncIterator[str | GenerationOutput]:
+    """``stream_text`` for asyncio: generation runs in a worker thread and each piece is handed to the
+    event loop as soon as it is decoded. Closing the iterator early stops generation at the next token."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    stop = threading.Event()
+    done = object()
+
+    def work() -> None:
+        pieces = stream_text(engine, prompt, hints, **generate_kwargs)
+        try:
+            for item in pieces:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+                if stop.is_set():
+                    break
+        except BaseException as e:  # handed to the awaiting side, which re-raises it
+            loop.call_soon_threadsafe(queue.put_nowait, (done, e))
+            return
+        finally:
+            pieces.close()
+        loop.call_soon_threadsafe(queue.put_nowait, (done, None))
+
+    worker = loop.run_in_executor(None, work)
+    try:
+        while True:
+            item = await queue.get()
+            if isinstance(item, tuple) and item and item[0] is done:
+                if item[1] is not None:
+                    raise item[1]
+                return
+            yield item
+    finally:
+        stop.set()
+        await asyncio.shield(worker)
