@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "DOC_SUFFIXES", "Chunk", "Document", "approx_tokens", "chunk_text",
-           "chunk_documents", "load_documents", "rank_chunks", "token_counter"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "MIN_CHUNK_TOKENS", "DOC_SUFFIXES", "Chunk", "Document", "approx_tokens",
+           "chunk_text", "chunk_documents", "load_documents", "rank_chunks", "token_counter"]
 
 DEFAULT_CHUNK_TOKENS = 256
 MIN_CHUNK_TOKENS = 16
@@ -187,18 +187,15 @@ def rank_chunks(question: str, chunks: Sequence[str], top_k: int = 3) -> list[in
     docs = [Counter(_terms(c)) for c in chunks]
     if not docs:
         return []
+    query = set(_terms(question))
+    df = {t: sum(1 for d in docs if t in d) for t in query}
+    idf = {t: math.log(1 + (len(docs) - n + 0.5) / (n + 0.5)) for t, n in df.items()}
     avg_len = sum(sum(d.values()) for d in docs) / len(docs) or 1.0
     k1, b = 1.2, 0.75
     scores = []
     for i, d in enumerate(docs):
-        length = sum(d.values())
-        score = 0.0
-        for term in set(_terms(question)):
-            tf = d.get(term, 0)
-            if tf:
-                df = sum(1 for other in docs if term in other)
-                idf = math.log(1 + (len(docs) - df + 0.5) / (df + 0.5))
-                score += idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * length / avg_len))
+        norm = k1 * (1 - b + b * sum(d.values()) / avg_len)
+        score = sum(idf[t] * d[t] * (k1 + 1) / (d[t] + norm) for t in query if t in d)
         if score > 0:
             scores.append((-score, i))
     return [i for _, i in sorted(scores)[:top_k]]

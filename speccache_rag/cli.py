@@ -12,12 +12,14 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-from .chunking import DEFAULT_CHUNK_TOKENS, Chunk, chunk_documents, load_documents, rank_chunks, token_counter
+from .chunking import (DEFAULT_CHUNK_TOKENS, MIN_CHUNK_TOKENS, Chunk, chunk_documents, load_documents, rank_chunks,
+                       token_counter)
 from .config import METHODS, GenerationConfig, ReuseConfig
 
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_STORE = os.path.join(".speccache", "kv")
 DEFAULT_TOP_K = 3
+DEMO_MAX_NEW_TOKENS = 32
 _DEFAULTS = ReuseConfig()
 
 
@@ -52,8 +54,8 @@ def _check_common(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if getattr(args, "top_k", 1) < 1:
         raise UsageError(f"--top-k must be >= 1, got {args.top_k}")
-    if getattr(args, "chunk_tokens", DEFAULT_CHUNK_TOKENS) < 16:
-        raise UsageError(f"--chunk-tokens must be >= 16, got {args.chunk_tokens}")
+    if getattr(args, "chunk_tokens", DEFAULT_CHUNK_TOKENS) < MIN_CHUNK_TOKENS:
+        raise UsageError(f"--chunk-tokens must be >= {MIN_CHUNK_TOKENS}, got {args.chunk_tokens}")
 
 
 def _engine(target: str, draft: str | None, store):
@@ -108,6 +110,16 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def _mark(ok: bool) -> str:
+    """✓/✗ where stdout can print them, else ASCII."""
+    marks = ("✓", "✗")
+    try:
+        "".join(marks).encode(sys.stdout.encoding or "ascii")
+    except (UnicodeEncodeError, LookupError):
+        marks = ("ok", "no")
+    return marks[0] if ok else marks[1]
+
+
 def _matches(answer: str, expected: Sequence[str]) -> bool:
     low = answer.lower()
     return any(e.lower() in low for e in expected if e)
@@ -137,7 +149,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
         raise UsageError("the question is empty")
     reuse = ReuseConfig(method=args.method, recompute_ratio=args.ratio)
     load_documents([args.docs])
-    engine = _engine(args.target, args.draft, args.store)
+    # only speccache runs the draft; don't load one for the other methods
+    engine = _engine(args.target, args.draft if args.method == "speccache" else None, args.store)
     try:
         from .prompt import RAGPrompt
 
@@ -205,7 +218,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     ok = _matches(out.text, [q["answer"], *q.get("aliases", [])])
                     right[name] += ok
                     ttft[name].append(out.stats.ttft_s)
-                    print(f"    {name:<10} TTFT {out.stats.ttft_s:6.3f}s  {'✓' if ok else '✗'}  "
+                    print(f"    {name:<10} TTFT {out.stats.ttft_s:6.3f}s  {_mark(ok)}  "
                           f"{_one_line(out.text)}")
                 s = outs["speccache"].stats
                 speedup = outs["full"].stats.ttft_s / max(s.ttft_s, 1e-9)
@@ -227,33 +240,45 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------------
 def _add_model_args(p: argparse.ArgumentParser, draft: str | None) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET,
-                   help="model that answers: a packaged name, an HF directory or a .gguf file (default: %(default)s)")
+                   help="model that answers: a packaged name, an HF directory or a .gguf file "
+                        "(default: %(default)s)")
     p.add_argument("--draft", default=draft,
                    help="model that scores which tokens to recompute (default: " + (draft or "the target") + ")")
 
 
 def _add_chunk_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=DEFAULT_CHUNK_TOKENS, metavar="N",
-                   help="target chunk size in tokens; use the same value for precompute and ask (default: %(default)s)")
+                   help="target chunk size in tokens; use the same value for precompute and ask "
+                        "(default: %(default)s)")
+
+
+def _add_store_arg(p: argparse.ArgumentParser, default: str | None, shown: str = "%(default)s") -> None:
+    p.add_argument("--store", default=default, metavar="STORE",
+                   help=f"KV store: a directory, memory:// or redis://host:port/db (default: {shown})")
+
+
+def _add_answer_args(p: argparse.ArgumentParser, max_new_tokens: int, top_k_help: str) -> None:
+    p.add_argument("--ratio", type=float, default=_DEFAULTS.recompute_ratio,
+                   help="share of reused chunk tokens that are recomputed (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help=f"{top_k_help} (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N", help="(default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = _Parser(prog="speccache-rag",
                      description="Faster RAG time-to-first-token: precomputed chunk KV caches, repaired by "
                                  "speculative token selection.")
-    from . import __version__
-
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("demo", help="answer questions about embedded documents with full prefill and with speccache",
-                       description="Precompute the embedded demo documents, then answer each demo question with "
+    p = sub.add_parser("demo", help="answer questions about the shipped documents, full prefill vs speccache",
+                       description="Precompute the shipped demo documents, then answer each demo question with "
                                    "method 'full' and 'speccache', printing answers, TTFT and reuse statistics.")
     _add_model_args(p, draft=DEFAULT_TARGET)
-    p.add_argument("--store", default=None, help="KV store: directory, memory:// or redis://… (default: a temporary directory)")
-    p.add_argument("--ratio", type=float, default=_DEFAULTS.recompute_ratio, help="recompute ratio (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="chunks per question (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="(default: %(default)s)")
+    _add_store_arg(p, None, shown="a temporary directory")
+    _add_answer_args(p, DEMO_MAX_NEW_TOKENS, "chunks per question")
     _add_chunk_args(p)
     p.set_defaults(func=cmd_demo)
 
@@ -261,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Chunk .txt/.md files (directories are searched recursively) and precompute "
                                    "each chunk's KV into the store; already stored chunks are skipped.")
     p.add_argument("paths", nargs="+", metavar="PATH", help="files or directories")
-    p.add_argument("--store", default=DEFAULT_STORE, help="KV store: directory, memory:// or redis://… (default: %(default)s)")
+    _add_store_arg(p, DEFAULT_STORE)
     p.add_argument("--target", default=DEFAULT_TARGET, help="model whose KV is stored (default: %(default)s)")
     _add_chunk_args(p)
     p.set_defaults(func=cmd_precompute)
@@ -271,13 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "overlap, and answer. The answer goes to stdout, statistics to stderr.")
     p.add_argument("question")
     p.add_argument("--docs", required=True, metavar="PATH", help="file or directory of .txt/.md documents")
-    p.add_argument("--store", default=DEFAULT_STORE, help="KV store: directory, memory:// or redis://… (default: %(default)s)")
+    _add_store_arg(p, DEFAULT_STORE)
     _add_model_args(p, draft=None)
     p.add_argument("--method", choices=METHODS, default=_DEFAULTS.method, help="(default: %(default)s)")
-    p.add_argument("--ratio", type=float, default=_DEFAULTS.recompute_ratio, help="recompute ratio (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="chunks in the prompt (default: %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=GenerationConfig().max_new_tokens, metavar="N",
-                   help="(default: %(default)s)")
+    _add_answer_args(p, GenerationConfig().max_new_tokens, "chunks in the prompt")
     p.add_argument("--stream", action="store_true", help="print the answer as it is generated")
     _add_chunk_args(p)
     p.set_defaults(func=cmd_ask)

@@ -79,8 +79,12 @@ class SpecCacheEngine:
                         backend: str = "torch", dtype: torch.dtype = torch.float32, **kwargs) -> "SpecCacheEngine":
         """target/draft: a packaged name ("smollm2-135m", "qwen2.5-coder-0.5b", …), an HF directory or a .gguf
         file; draft=None scores with the target itself. store: a directory, "memory://" or "redis://…"."""
+        if backend == "vllm":
+            from .vllm.engine import VllmSpecCacheEngine  # lazy: vllm is an optional extra
+
+            return VllmSpecCacheEngine(target, draft=draft, store=store, dtype=dtype, name=target, **kwargs)
         if backend != "torch":
-            raise ValueError(f"unknown backend {backend!r}: this build supports backend='torch'")
+            raise ValueError(f"unknown backend {backend!r}: choose 'torch' or 'vllm'")
         from .models import load
 
         model, tok = load(target, dtype=dtype)

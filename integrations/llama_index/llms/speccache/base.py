@@ -1,0 +1,255 @@
+"""``SpecCacheLLM``: a LlamaIndex LLM whose prompts reuse the KV of precomputed chunks."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_serializer
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.llm import LLM
+
+from llama_index.llms.speccache.hints import retrieval_hints
+from speccache_rag import GenerationOutput, GenerationStats, ReuseConfig, SpecCacheEngine
+from speccache_rag.matching import astream_text, stream_text
+
+_ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant"}
+
+
+class SpecCacheLLM(LLM):
+    """A local LLM that reuses the KV caches of retrieved chunks, repaired by speculative recompute.
+
+    The prompt LlamaIndex builds is searched for chunks whose KV was precomputed (by
+    ``SpecCacheKVPrecompute`` in the ingestion pipeline, or seen in an earlier prompt); those are
+    loaded from the store instead of prefilled, and only the tokens a draft model marks as
+    important are recomputed. Everything else about the query engine stays as it is.
+
+    Setup:
+        ``pip install 'speccache-rag[llama-index]'``
+
+    Instantiate:
+        .. code-block:: python
+
+            from llama_index.llms.speccache import SpecCacheLLM
+
+            llm = SpecCacheLLM(target="smollm2-135m", draft="smollm2-135m", store="./kv",
+                               max_new_tokens=64, method="speccache", recompute_ratio=0.15)
+            # or SpecCacheLLM(engine=SpecCacheEngine(...)) to share a loaded engine
+
+        Construction is cheap: the model loads on the first call (or ``llm.engine``).
+
+    Invoke:
+        .. code-block:: python
+
+            resp = llm.complete("Context: ...\\n\\nQuestion: ...")
+            resp.text, resp.additional_kwargs["reused_tokens"]   # statistics of this call
+            llm.last_stats                                        # GenerationStats of the last call
+
+    Stream:
+        .. code-block:: python
+
+            for r in llm.stream_complete(prompt):
+                print(r.delta, end="")
+            # the last response has delta "" and carries the statistics
+
+    In a query engine:
+        .. code-block:: python
+
+            index.as_query_engine(llm=llm).query("...")
+    """
+
+    target: str = Field(default="smollm2-135m",
+                        description="Target model: a packaged name, a HF directory or a .gguf file.")
+    draft: Optional[str] = Field(default=None,
+                                 description="Draft model that scores tokens; None scores with the target.")
+    store: Any = Field(default="./.speccache/kv",
+                       description="KV store: a directory, 'memory://', 'redis://host:port/db' or a KVStore.")
+    max_new_tokens: int = Field(default=64, gt=0, description="Tokens to generate at most.")
+    method: str = Field(default="speccache", description="Reuse method: speccache, cacheblend, epic, reuse, full …")
+    recompute_ratio: float = Field(default=0.15, ge=0.0, le=1.0,
+                                   description="Share of reused chunk tokens recomputed.")
+    temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
+    stop: Optional[List[str]] = Field(default=None, description="Stop strings.")
+    seed: Optional[int] = Field(default=None, description="Sampling seed.")
+    context_window: Optional[int] = Field(default=None,
+                                          description="Context window; None reads it from the model's config.")
+    use_retrieval_hints: bool = Field(default=True,
+                                      description="Search retrieved nodes' texts first (RetrievalEndEvent).")
+
+    _engine: Optional[SpecCacheEngine] = PrivateAttr(default=None)
+    _engine_lock: Any = PrivateAttr(default_factory=threading.Lock)
+    _context: Optional[int] = PrivateAttr(default=None)
+    _last_stats: Optional[GenerationStats] = PrivateAttr(default=None)
+
+    def __init__(self, engine: Optional[SpecCacheEngine] = None, **kwargs: Any) -> None:
+        if engine is not None:
+            kwargs.setdefault("target", engine.name)
+            kwargs.setdefault("store", engine.store)
+        super().__init__(**kwargs)
+        ReuseConfig(method=self.method, recompute_ratio=self.recompute_ratio)   # fail early on bad values
+        self._engine = engine
+        if self.use_retrieval_hints:
+            retrieval_hints()
+
+    @field_serializer("store")
+    def _store_name(self, store: Any) -> str:
+        return store if isinstance(store, str) else type(store).__name__
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "SpecCacheLLM"
+
+    # ---- the engine and what it reports --------------------------------------------------------
+    @property
+    def engine(self) -> SpecCacheEngine:
+        """The engine, loaded on first use."""
+        with self._engine_lock:
+            if self._engine is None:
+                self._engine = SpecCacheEngine.from_pretrained(self.target, draft=self.draft, store=self.store)
+            return self._engine
+
+    @property
+    def last_stats(self) -> Optional[GenerationStats]:
+        """Statistics of the most recent call (same fields as ``GenerationOutput.stats``)."""
+        return self._last_stats
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(context_window=self._context_window(), num_output=self.max_new_tokens,
+                           is_chat_model=True, is_function_calling_model=False, model_name=self.target)
+
+    def _context_window(self) -> int:
+        if self.context_window is not None:
+            return self.context_window
+        if self._context is None:
+            if self._engine is not None:
+                self._context = self._engine.context_window
+            else:   # read the config only: metadata must not load the weights
+                from transformers import AutoConfig
+
+                from speccache_rag.models import resolve
+
+                self._context = AutoConfig.from_pretrained(str(resolve(self.target))).max_position_embeddings
+        return self._context
+
+    # ---- the one generation path ---------------------------------------------------------------
+    def _generate_kwargs(self, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+        return dict(
+            max_new_tokens=kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
+            reuse=ReuseConfig(method=kwargs.get("method", self.method),
+                              recompute_ratio=kwargs.get("recompute_ratio", self.recompute_ratio)),
+            temperature=kwargs.get("temperature", self.temperature),
+            top_p=kwargs.get("top_p", self.top_p),
+            stop=kwargs.get("stop", self.stop),
+            seed=kwargs.get("seed", self.seed),
+        )
+
+    def _hints(self) -> Optional[List[str]]:
+        return retrieval_hints().texts() if self.use_retrieval_hints else None
+
+    def _completion_messages(self, prompt: str, formatted: bool) -> List[dict]:
+        system = [] if formatted or not self.system_prompt else [{"role": "system", "content": self.system_prompt}]
+        return [*system, {"role": "user", "content": prompt}]
+
+    def _final(self, out: GenerationOutput) -> CompletionResponse:
+        self._last_stats = out.stats
+        stats = out.stats.to_dict()
+        return CompletionResponse(text=out.text, delta="", additional_kwargs=stats,
+                                  raw={"stats": stats, "finish_reason": out.finish_reason,
+                                       "token_ids": out.token_ids})
+
+    def _run(self, messages: List[dict], kwargs: Dict[str, Any]) -> CompletionResponseGen:
+        text = ""
+        for item in stream_text(self.engine, messages, self._hints(), **self._generate_kwargs(kwargs)):
+            if isinstance(item, str):
+                text += item
+                yield CompletionResponse(text=text, delta=item)
+            else:
+                yield self._final(item)
+
+    async def _arun(self, messages: List[dict], kwargs: Dict[str, Any]) -> AsyncIterator[CompletionResponse]:
+        text = ""
+        gen_kwargs = self._generate_kwargs(kwargs)
+        engine = self._engine or await asyncio.to_thread(lambda: self.engine)   # first call loads the model
+        hints = self._hints()
+        async for item in astream_text(engine, messages, hints, **gen_kwargs):
+            if isinstance(item, str):
+                text += item
+                yield CompletionResponse(text=text, delta=item)
+            else:
+                yield self._final(item)
+
+    # ---- completion ----------------------------------------------------------------------------
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        *_, last = self._run(self._completion_messages(prompt, formatted), kwargs)
+        return last
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        return self._run(self._completion_messages(prompt, formatted), kwargs)
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        last = None
+        async for last in self._arun(self._completion_messages(prompt, formatted), kwargs):
+            pass
+        return last
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False,
+                               **kwargs: Any) -> CompletionResponseAsyncGen:
+        return self._arun(self._completion_messages(prompt, formatted), kwargs)
+
+    # ---- chat ----------------------------------------------------------------------------------
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        *_, last = self._run(_as_dicts(messages), kwargs)
+        return _to_chat(last)
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        return (_to_chat(r) for r in self._run(_as_dicts(messages), kwargs))
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        last = None
+        async for last in self._arun(_as_dicts(messages), kwargs):
+            pass
+        return _to_chat(last)
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        async def gen() -> ChatResponseAsyncGen:
+            async for r in self._arun(_as_dicts(messages), kwargs):
+                yield _to_chat(r)
+
+        return gen()
+
+
+def _as_dicts(messages: Sequence[ChatMessage]) -> List[dict]:
+    out = []
+    for m in messages:
+        role = m.role.value if isinstance(m.role, MessageRole) else str(m.role)
+        out.append({"role": _ROLES.get(role, role), "content": m.content or ""})
+    return out
+
+
+def _to_chat(r: CompletionResponse) -> ChatResponse:
+    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=r.text), delta=r.delta,
+                        raw=r.raw, additional_kwargs=r.additional_kwargs)
+
+
+__all__ = ["SpecCacheLLM"]

@@ -1,0 +1,64 @@
+"""``SpecCacheKVPrecompute``: the ingestion step that precomputes each node's KV cache."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Optional, Sequence
+
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
+
+from llama_index.llms.speccache.base import SpecCacheLLM
+from speccache_rag import SpecCacheEngine
+from speccache_rag.matching import precompute_texts
+
+
+class SpecCacheKVPrecompute(TransformComponent):
+    """Precomputes the KV cache of every node, as the LLM will see it, and passes the nodes on unchanged.
+
+    The text stored is ``node.get_content(metadata_mode=MetadataMode.LLM)`` stripped, which is what
+    the response synthesizers put into the prompt. Idempotent: chunks already stored are skipped.
+    The engine is a private attribute, so the ``IngestionPipeline`` cache hash depends only on the
+    model name, the store and the metadata mode.
+
+    .. code-block:: python
+
+        llm = SpecCacheLLM(target="smollm2-135m", store="./kv")
+        pipeline = IngestionPipeline(transformations=[SentenceSplitter(chunk_size=256), embed_model,
+                                                      SpecCacheKVPrecompute(llm=llm)])
+        nodes = pipeline.run(documents=documents)
+    """
+
+    model_name: str = Field(default="", description="Target model whose KV is computed.")
+    store: str = Field(default="", description="Where the KV goes.")
+    metadata_mode: MetadataMode = Field(default=MetadataMode.LLM, description="How node text is rendered.")
+    show_progress: bool = Field(default=False, description="Show a progress bar.")
+
+    _llm: Optional[SpecCacheLLM] = PrivateAttr(default=None)
+    _engine: Optional[SpecCacheEngine] = PrivateAttr(default=None)
+
+    def __init__(self, llm: Optional[SpecCacheLLM] = None, engine: Optional[SpecCacheEngine] = None,
+                 **kwargs: Any) -> None:
+        if (llm is None) == (engine is None):
+            raise ValueError("SpecCacheKVPrecompute needs exactly one of llm=SpecCacheLLM(...) or engine=...")
+        store = llm.store if llm is not None else engine.store
+        kwargs.setdefault("model_name", llm.target if llm is not None else engine.name)
+        kwargs.setdefault("store", store if isinstance(store, str) else type(store).__name__)
+        super().__init__(**kwargs)
+        self._llm, self._engine = llm, engine
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "SpecCacheKVPrecompute"
+
+    @property
+    def engine(self) -> SpecCacheEngine:
+        return self._engine if self._engine is not None else self._llm.engine
+
+    def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        texts = [n.get_content(metadata_mode=self.metadata_mode).strip() for n in nodes]
+        precompute_texts(self.engine, [t for t in texts if t],
+                         progress=kwargs.get("show_progress", self.show_progress))
+        return nodes
+
+    async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        return await asyncio.to_thread(self.__call__, nodes, **kwargs)

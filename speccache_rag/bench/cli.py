@@ -1,0 +1,86 @@
+"""Argument parsing for ``speccache-rag bench`` (light: heavy modules load only when a run starts)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from .suites import SUITES, Suite, get_suite
+
+
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--suite", default="quick", choices=sorted(SUITES), help="what to run (default: quick)")
+    p.add_argument("--out", default=None, help="results directory (default: bench-results/SUITE)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--resume", action="store_true", help="continue DIR/results.jsonl, skipping rows already there")
+    g.add_argument("--fresh", action="store_true", help="delete DIR/results.jsonl first")
+    p.add_argument("--report-only", action="store_true", help="only rebuild the report from DIR/results.jsonl")
+    p.add_argument("--pairs", default=None,
+                   help="TARGET:DRAFT[,TARGET:DRAFT…] instead of the suite's model pairs")
+    p.add_argument("--methods", default=None, help="comma-separated methods on every prompt (e.g. full,speccache@0.15)")
+    p.add_argument("--ttft-methods", default=None, help="comma-separated timed methods (must include full); '' for none")
+    p.add_argument("--per-task", type=int, default=None, help="prompts per task")
+    p.add_argument("--chunks", type=int, default=None, help="chunks per prompt")
+    p.add_argument("--chunk-tokens", dest="bench_chunk_tokens", type=int, default=None, help="target tokens per chunk")
+    p.add_argument("--ttft-prompts", type=int, default=None, help="prompts timed")
+    p.add_argument("--reps", type=int, default=None, help="timed rounds per prompt (after the warm-up)")
+    p.add_argument("--max-new-tokens", dest="bench_max_new_tokens", type=int, default=None, help="greedy tokens per answer")
+    p.add_argument("--sweep-prompts", type=int, default=None, help="prompts that also get the sweep methods")
+    p.add_argument("--longbench", default=None, help="a LongBench-format JSONL file instead of synthetic prompts")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (1 avoids OpenMP oversubscription on a shared machine)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def suite_from_args(args: argparse.Namespace) -> Suite:
+    suite = get_suite(args.suite)
+    pairs = None
+    if args.pairs:
+        pairs = []
+        for item in _csv(args.pairs):
+            target, sep, draft = item.partition(":")
+            if not sep or not target or not draft:
+                raise ValueError(f"--pairs wants TARGET:DRAFT items, got {item!r}")
+            pairs.append((target, draft))
+    ttft = None if args.ttft_methods is None else _csv(args.ttft_methods)
+    return suite.replace(
+        pairs=pairs, methods=_csv(args.methods) if args.methods else None, ttft_methods=ttft,
+        n_per_task=args.per_task, n_chunks=args.chunks, chunk_tokens=args.bench_chunk_tokens,
+        ttft_examples=args.ttft_prompts if ttft != [] else 0, ttft_reps=args.reps,
+        max_new_tokens=args.bench_max_new_tokens, sweep_examples=args.sweep_prompts)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .report import write_report
+    from .runner import run_suite
+
+    out = Path(args.out or f"bench-results/{args.suite}")
+    if args.report_only:
+        path = write_report(out)
+    else:
+        suite = suite_from_args(args)
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        path = run_suite(suite, out, resume=args.resume, fresh=args.fresh, progress=not args.no_progress,
+                         longbench=args.longbench)
+    print(f"report: {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="speccache-rag bench", description="Quality × time-to-first-token benchmarks.")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

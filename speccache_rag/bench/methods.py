@@ -1,0 +1,245 @@
+"""Benchmark methods: names ↔ ReuseConfig, and the two experimental selectors beyond the paper.
+
+Method names used in suites and results:
+    full · reuse · epic@R (k chosen to fill the budget) · epic-kK · cacheblend@R · speccache@R ·
+    random@R · oracle@R · static@R · deviation@R
+
+``static`` and ``deviation`` are experiments (issue 5, part 6), implemented here on top of the
+engine without touching it:
+- static@R: draft scores computed per chunk at ingestion (chunk alone, after the draft's sink
+  token); zero draft cost at query time, but no cross-chunk signal.
+- deviation@R: for every chunk token, the mean over the draft's last third of layers of
+  ‖h_ctx − h_alone‖ — how far its deep residual moves when the chunk is read in the prompt rather
+  than alone (h_alone stored with the chunk at ingestion). CacheBlend's idea, computed by the draft.
+Both feed the same span expansion and cross-tokenizer mapping as speccache.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+
+from ..config import ReuseConfig
+from ..engine import SpecCacheEngine
+from ..prompt import RAGPrompt, TokenizedPrompt, render, tokenize_piece
+from ..runner import full_prefill
+from ..selection import Selection, budget_for
+from .. import engine as _engine_mod
+from .. import runner as _runner_mod
+from ..selection import oracle as _oracle_mod
+from ..selection import speculative as _spec_mod
+from ..selection.base import deep_layer_norms
+
+DRAFT_FAMILIES = ("speccache", "static", "deviation")
+EXPERIMENTS = ("static", "deviation")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    family: str                 # full, reuse, epic, cacheblend, speccache, random, oracle, static, deviation
+    ratio: float | None         # nominal recompute ratio (None: full, reuse, epic-kK)
+    epic_k: int | None = None
+
+    @property
+    def uses_draft(self) -> bool:
+        return self.family in DRAFT_FAMILIES
+
+    def reuse_config(self) -> ReuseConfig:
+        if self.family == "full":
+            return ReuseConfig(method="full", recompute_ratio=1.0)
+        if self.family == "reuse":
+            return ReuseConfig(method="reuse", recompute_ratio=0.0)
+        if self.family == "epic" and self.epic_k is not None:
+            return ReuseConfig(method="epic", epic_k=self.epic_k, recompute_ratio=1.0)
+        engine_method = "speccache" if self.family in EXPERIMENTS else self.family
+        return ReuseConfig(method=engine_method, recompute_ratio=self.ratio)
+
+
+def parse_method(name: str) -> MethodSpec:
+    """``"speccache@0.15"`` → MethodSpec; raises ValueError with the accepted forms."""
+    if name in ("full", "reuse"):
+        return MethodSpec(name, name, None)
+    if name.startswith("epic-k"):
+        try:
+            return MethodSpec(name, "epic", None, epic_k=int(name[6:]))
+        except ValueError:
+            pass
+    if "@" in name:
+        family, _, r = name.partition("@")
+        if family in ("epic", "cacheblend", "speccache", "random", "oracle", "static", "deviation"):
+            try:
+                ratio = float(r)
+            except ValueError:
+                ratio = -1.0
+            if 0.0 <= ratio <= 1.0:
+                return MethodSpec(name, family, ratio)
+    raise ValueError(f"unknown bench method {name!r}; use full, reuse, epic-kK, or FAMILY@R with FAMILY in "
+                     "epic, cacheblend, speccache, random, oracle, static, deviation and R in [0, 1]")
+
+
+def select_from_scores(sel: Selection, draft_tokens: TokenizedPrompt, scores: torch.Tensor) -> torch.Tensor:
+    """speccache steps 2–4 given draft-token scores (same as ``selection.speculative.speculative_select``
+    after its scoring step; kept in step with it — see the report's note about moving it there)."""
+    cfg = sel.config
+    reused = {t.chunk for t in sel.tokens.chunk_segments() if sel.reusable[t.start]}
+    segs = [s for s in draft_tokens.chunk_segments() if s.chunk in reused]
+    if not segs or sel.budget == 0:
+        return torch.empty(0, dtype=torch.long)
+    candidates = torch.cat([torch.arange(s.start, s.end) for s in segs])
+    spans = []
+    if cfg.span_rule == "smooth":
+        for s in segs:
+            spans += _spec_mod.smooth_spans(scores, s.start, s.end, cfg.tau_smooth, cfg.max_span)
+    priority = _spec_mod.expand(scores, candidates, spans, budget_for(cfg.recompute_ratio, candidates.numel()),
+                                cfg.tau_cover)
+    mapping = _spec_mod.map_to_target(draft_tokens, sel.tokens)
+    chosen: dict[int, None] = {}
+    for d in priority:
+        for t in mapping[d]:
+            if len(chosen) < sel.budget and sel.reusable[t]:
+                chosen[t] = None
+        if len(chosen) >= sel.budget:
+            break
+    for t in sel.reusable_positions.tolist():
+        if len(chosen) >= sel.budget:
+            break
+        chosen.setdefault(t, None)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def sink_ids(tokenizer) -> list[int]:
+    """The token a chunk is prefilled after at ingestion (same rule as the engine's ``sink="bos"``)."""
+    if tokenizer.bos_token_id is not None:
+        return [tokenizer.bos_token_id]
+    return render(RAGPrompt(question="?"), tokenizer).token_ids[:1]
+
+
+def deep_layers(model, fraction: float) -> range:
+    n = model.config.num_hidden_layers
+    return range(n - max(1, round(n * fraction)), n)
+
+
+class BenchEngine(SpecCacheEngine):
+    """The product engine plus: per-chunk draft artifacts for the experiments, an optional memo of
+    whole-prompt hidden states (quality pass only: draft scores do not depend on r, so one draft
+    prefill serves every r), and the method variant to run."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.variant: str | None = None            # "static" | "deviation" | None
+        self.fraction = ReuseConfig().draft_layers
+        self._static: dict[str, torch.Tensor] = {}
+        self._alone: dict[str, torch.Tensor] = {}   # chunk text → [deep layers, n, hidden]
+        self._memo: dict[tuple, dict[int, torch.Tensor]] | None = None
+        self._draft_sink = sink_ids(self.draft_tokenizer)
+
+    # ---- ingestion-time draft artifacts ------------------------------------------------------
+    @torch.inference_mode()
+    def prepare_draft(self, texts: list[str], static: bool = True, deviation: bool = True) -> None:
+        layers = deep_layers(self.draft, self.fraction)
+        for text in texts:
+            if (not static or text in self._static) and (not deviation or text in self._alone):
+                continue
+            ids, _ = tokenize_piece(self.draft_tokenizer, text)
+            capture: dict[int, torch.Tensor] = {}
+            full_prefill(self.draft, torch.tensor(self._draft_sink + ids), capture=capture)
+            skip = len(self._draft_sink)
+            if static:
+                self._static[text] = torch.stack([capture[i][skip:].norm(dim=-1) for i in layers]).mean(0)
+            if deviation:
+                self._alone[text] = torch.stack([capture[i][skip:] for i in layers])
+
+    def forget_draft(self) -> None:
+        self._static.clear()
+        self._alone.clear()
+
+    # ---- whole-prompt hidden states -----------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self, model, ids: torch.Tensor) -> dict[int, torch.Tensor]:
+        key = (id(model), tuple(ids.tolist()))
+        if self._memo is not None and key in self._memo:
+            return self._memo[key]
+        cap: dict[int, torch.Tensor] = {}
+        full_prefill(model, ids, capture=cap)
+        if self._memo is not None:
+            self._memo[key] = cap
+        return cap
+
+    @contextlib.contextmanager
+    def memoized(self):
+        """Within: speccache and oracle scoring reuse one prefill per (model, prompt). Quality only —
+        never around timed calls."""
+        engine = self
+
+        def score(draft, draft_tokens, fraction):
+            return deep_layer_norms(engine.capture(draft, draft_tokens.ids), draft.config.num_hidden_layers, fraction)
+
+        def oracle_prefill(model, token_ids, capacity=None, keep_pre_rope=False, capture=None):
+            if capture is not None:
+                capture.update(engine.capture(model, token_ids))
+            return None, None
+
+        def engine_prefill(model, cache, token_ids, positions, capture=None):
+            # the engine's own full prefill ("full" method), captured so oracle/agreement need no second one
+            n = positions.numel()
+            if capture is None and n and int(positions[0]) == 0 and int(positions[-1]) == n - 1:
+                cap: dict[int, torch.Tensor] = {}
+                logits = _runner_mod.prefill(model, cache, token_ids, positions, capture=cap)
+                engine._memo[(id(model), tuple(token_ids.tolist()))] = cap
+                return logits
+            return _runner_mod.prefill(model, cache, token_ids, positions, capture=capture)
+
+        self._memo = {}
+        try:
+            with mock.patch.object(_spec_mod, "score", score), \
+                    mock.patch.object(_oracle_mod, "full_prefill", oracle_prefill), \
+                    mock.patch.object(_engine_mod, "prefill", engine_prefill):
+                yield self
+        finally:
+            self._memo = None
+
+    # ---- selection ----------------------------------------------------------------------------
+    def _select(self, sel: Selection, prompt: RAGPrompt) -> torch.Tensor:
+        if self.variant is None or sel.budget == 0:
+            return super()._select(sel, prompt)
+        draft_tokens = render(prompt, self.draft_tokenizer)
+        if self.variant == "static":
+            scores = self._static_scores(draft_tokens)
+        elif self.variant == "deviation":
+            scores = self._deviation_scores(draft_tokens)
+        else:
+            raise ValueError(f"unknown variant {self.variant!r}")
+        return select_from_scores(sel, draft_tokens, scores)
+
+    def _static_scores(self, draft_tokens: TokenizedPrompt) -> torch.Tensor:
+        scores = torch.zeros(len(draft_tokens))
+        for seg in draft_tokens.chunk_segments():
+            s = self._static.get(seg.text)
+            if s is None:
+                raise KeyError("static scores missing for a chunk: call prepare_draft() at ingestion")
+            scores[seg.start:seg.end] = s
+        return scores
+
+    def _deviation_scores(self, draft_tokens: TokenizedPrompt) -> torch.Tensor:
+        cap = self.capture(self.draft, draft_tokens.ids)
+        layers = deep_layers(self.draft, self.fraction)
+        h = torch.stack([cap[i] for i in layers])                            # [Ld, Nd, H]
+        scores = torch.zeros(len(draft_tokens))
+        for seg in draft_tokens.chunk_segments():
+            alone = self._alone.get(seg.text)
+            if alone is None:
+                raise KeyError("h_alone missing for a chunk: call prepare_draft() at ingestion")
+            scores[seg.start:seg.end] = (h[:, seg.start:seg.end] - alone).norm(dim=-1).mean(0)
+        return scores
+
+    def run(self, spec: MethodSpec, prompt: RAGPrompt, max_new_tokens: int, first_logits: bool = False):
+        """generate() with the method ``spec`` (greedy)."""
+        self.variant = spec.family if spec.family in EXPERIMENTS else None
+        try:
+            return self.generate(prompt, max_new_tokens=max_new_tokens, reuse=spec.reuse_config(),
+                                 return_first_logits=first_logits)
+        finally:
+            self.variant = None

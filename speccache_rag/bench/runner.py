@@ -1,0 +1,251 @@
+"""The sweep: quality and fidelity per example × method, interleaved TTFT timings, agreement rows.
+
+Results are JSON lines in ``OUT/results.jsonl``, one per (kind, target, draft, example, method);
+a run with ``resume=True`` skips every row already there, so a long suite can run in parts.
+Draft-independent methods (full, reuse, epic, cacheblend, random, oracle) are recorded with
+``draft: null`` and shared by the pairs that have the same target.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ..prompt import RAGPrompt, render
+from .data import Example, load_longbench, prose_fingerprint, synthetic, tokenizer_counter
+from .methods import BenchEngine, MethodSpec, parse_method
+from .metrics import first_token_fidelity, median, rouge_l, task_scores
+from .suites import Suite
+
+RESULTS = "results.jsonl"
+SUITE_FILE = "suite.json"
+
+
+def row_key(row: dict) -> tuple:
+    return (row["kind"], row["target"], row.get("draft"), row["example"], row.get("method"))
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Rows of a results file; a torn last line (interrupted write) is ignored. Later rows win."""
+    rows: dict[tuple, dict] = {}
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            rows[row_key(row)] = row
+    return list(rows.values())
+
+
+class _Writer:
+    def __init__(self, path: Path, done: set[tuple]):
+        self.path, self.done = path, done
+        self.f = path.open("a", encoding="utf-8")
+
+    def write(self, row: dict) -> None:
+        self.f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        self.f.flush()
+        self.done.add(row_key(row))
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def environment() -> dict:
+    import transformers
+
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "machine": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "prose": prose_fingerprint(),
+    }
+
+
+class _Models:
+    """Loads each named model once per run."""
+
+    def __init__(self, loader: Callable | None = None):
+        self.loaded: dict[str, tuple] = {}
+        if loader is None:
+            from ..models import load as loader
+        self.loader = loader
+
+    def get(self, name: str):
+        if name not in self.loaded:
+            self.loaded[name] = self.loader(name)
+        return self.loaded[name]
+
+
+def _recompute_frac(tokens, stats) -> float:
+    reusable = sum(s.end - s.start for s in tokens.chunk_segments())
+    if stats.method == "full":
+        return 1.0
+    return (reusable - stats.reused_tokens) / reusable if reusable else 0.0
+
+
+def _base(kind: str, suite: Suite, target: str, draft: str | None, ex: Example, spec: MethodSpec | None) -> dict:
+    row = {"kind": kind, "suite": suite.name, "target": target, "draft": draft, "example": ex.id, "task": ex.task}
+    if spec is not None:
+        row.update(method=spec.name, family=spec.family, ratio=spec.ratio, epic_k=spec.epic_k)
+    return row
+
+
+def quality_example(engine: BenchEngine, suite: Suite, pair: tuple[str, str], ex: Example, methods: list[str],
+                    writer: _Writer) -> None:
+    target, draft = pair
+    specs = [parse_method(m) for m in methods]
+    key = lambda s: ("quality", target, draft if s.uses_draft else None, ex.id, s.name)
+    todo = [s for s in specs if key(s) not in writer.done]
+    want_agree = suite.agreement and ("agreement", target, draft, ex.id, None) not in writer.done
+    if not todo and not want_agree:
+        return
+    prompt = RAGPrompt(chunks=ex.chunks, question=ex.question)
+    tokens = render(prompt, engine.tokenizer)
+    engine.precompute(ex.chunks)
+    fams = {s.family for s in todo}
+    if fams & {"static", "deviation"}:
+        engine.prepare_draft(ex.chunks, static="static" in fams, deviation="deviation" in fams)
+    full_spec = parse_method("full")
+    with engine.memoized():
+        t = time.perf_counter()
+        ref = engine.run(full_spec, prompt, suite.max_new_tokens, first_logits=True)
+        ref_wall = time.perf_counter() - t
+        for spec in todo:
+            if spec.family == "full":
+                out, wall = ref, ref_wall
+            else:
+                t = time.perf_counter()
+                out = engine.run(spec, prompt, suite.max_new_tokens, first_logits=True)
+                wall = time.perf_counter() - t
+            scores = task_scores(out.text, ex.answers, ex.values)
+            row = _base("quality", suite, target, draft if spec.uses_draft else None, ex, spec)
+            row.update(
+                metric=ex.metric, score=scores.get(ex.metric, scores["f1"]), **scores,
+                **first_token_fidelity(ref.first_logits, out.first_logits),
+                cont_rougeL=rouge_l(out.text, ref.text) if ref.text.strip() else float(out.text == ref.text),
+                same_continuation=out.token_ids == ref.token_ids,
+                prediction=out.text, reference=ex.answers[0] if ex.answers else "",
+                recompute_frac=_recompute_frac(tokens, out.stats), stats=out.stats.to_dict(), wall_s=wall)
+            writer.write(row)
+        if want_agree:
+            from .agreement import agreement
+
+            dtokens = render(prompt, engine.draft_tokenizer)
+            row = _base("agreement", suite, target, draft, ex, None)
+            row["method"] = None
+            row.update(agreement(engine.capture(engine.target, tokens.ids), engine.target.config.num_hidden_layers,
+                                 tokens, engine.capture(engine.draft, dtokens.ids),
+                                 engine.draft.config.num_hidden_layers, dtokens, tokenizer=engine.tokenizer))
+            writer.write(row)
+    engine.forget_draft()
+
+
+def timing_example(engine: BenchEngine, suite: Suite, pair: tuple[str, str], ex: Example,
+                   writer: _Writer) -> None:
+    """TTFT of every timed method on one prompt: warm-up, then ``ttft_reps`` interleaved rounds
+    (the order rotates each round); ratios are to full's median on the same prompt, same process."""
+    target, draft = pair
+    specs = [parse_method(m) for m in suite.ttft_methods]
+    if all(("ttft", target, draft, ex.id, s.name) in writer.done for s in specs):
+        return
+    prompt = RAGPrompt(chunks=ex.chunks, question=ex.question)
+    tokens = render(prompt, engine.tokenizer)
+    engine.precompute(ex.chunks)
+    fams = {s.family for s in specs}
+    if fams & {"static", "deviation"}:
+        engine.prepare_draft(ex.chunks, static="static" in fams, deviation="deviation" in fams)
+    runs: dict[str, list] = {s.name: [] for s in specs}
+    for rnd in range(suite.ttft_warmup + suite.ttft_reps):
+        shift = rnd % len(specs)
+        for spec in specs[shift:] + specs[:shift]:
+            out = engine.run(spec, prompt, max_new_tokens=1)
+            if rnd >= suite.ttft_warmup:
+                runs[spec.name].append(out.stats)
+    full_med = median([s.ttft_s for s in runs["full"]])
+    for spec in specs:
+        stats = runs[spec.name]
+        med = median([s.ttft_s for s in stats])
+        row = _base("ttft", suite, target, draft, ex, spec)
+        row.update(
+            ttft_s=[s.ttft_s for s in stats], ttft_median_s=med, ratio_to_full=med / full_med,
+            speedup=full_med / med, prompt_tokens=stats[0].prompt_tokens,
+            recompute_frac=_recompute_frac(tokens, stats[0]),
+            breakdown={k: median([getattr(s, k) for s in stats]) for k in ("load_s", "draft_s", "recompute_s",
+                                                                             "first_decode_s")})
+        writer.write(row)
+    engine.forget_draft()
+
+
+def _examples(suite: Suite, tokenizer, longbench: str | None, ttft: bool = False) -> list[Example]:
+    count = tokenizer_counter(tokenizer)
+    if longbench:
+        exs = load_longbench(longbench, chunk_tokens=suite.chunk_tokens, count=count)
+        return exs[: suite.ttft_examples] if ttft else exs[: suite.num_examples]
+    if ttft and suite.ttft_n_chunks:
+        n = -(-suite.ttft_examples // len(suite.tasks))
+        exs = synthetic(n, suite.seed + 1000, suite.ttft_n_chunks, suite.ttft_chunk_tokens or suite.chunk_tokens,
+                        suite.tasks, count)
+        return exs[: suite.ttft_examples]
+    exs = synthetic(suite.n_per_task, suite.seed, suite.n_chunks, suite.chunk_tokens, suite.tasks, count)
+    return exs[: suite.ttft_examples] if ttft else exs
+
+
+def run_suite(suite: Suite, out: str | Path, resume: bool = False, fresh: bool = False, progress: bool = True,
+              longbench: str | None = None, loader: Callable | None = None, report: bool = True) -> Path:
+    """Run (or resume) ``suite`` into ``out``; returns the report's path (or the results' if report=False)."""
+    from tqdm.auto import tqdm
+
+    suite.validate()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / RESULTS
+    if results.exists() and results.stat().st_size and not (resume or fresh):
+        raise ValueError(f"{results} already holds results: pass --resume to continue it or --fresh to start over")
+    if fresh and results.exists():
+        results.unlink()
+    meta = {"suite": asdict(suite), "environment": environment(), "longbench": longbench}
+    (out / SUITE_FILE).write_text(json.dumps(meta, indent=2))
+    done = {row_key(r) for r in read_rows(results)}
+    writer = _Writer(results, done)
+    models = _Models(loader)
+    try:
+        for target, draft in suite.pairs:
+            tmodel, ttok = models.get(target)
+            dmodel, dtok = models.get(draft)
+            same = dmodel is tmodel
+            engine = BenchEngine(tmodel, ttok, store="memory://", draft=None if same else dmodel,
+                                 draft_tokenizer=None if same else dtok, name=target)
+            pair = (target, draft)
+            examples = _examples(suite, ttok, longbench)
+            bar = tqdm(examples, desc=f"quality {target} ← {draft}", unit="prompt", disable=not progress)
+            for i, ex in enumerate(bar):
+                methods = list(suite.methods) + (list(suite.sweep_methods) if i < suite.sweep_examples else [])
+                quality_example(engine, suite, pair, ex, list(dict.fromkeys(methods)), writer)
+            if suite.ttft_methods and suite.ttft_examples:
+                timed = _examples(suite, ttok, longbench, ttft=True)
+                for ex in tqdm(timed, desc=f"ttft {target} ← {draft}", unit="prompt", disable=not progress):
+                    timing_example(engine, suite, pair, ex, writer)
+            engine.close()
+    finally:
+        writer.close()
+    if not report:
+        return results
+    from .report import write_report
+
+    return write_report(out)

@@ -1,0 +1,100 @@
+"""Named benchmark suites: which models, prompts, methods and timings one command runs."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .data import TASKS
+
+RATIOS = (0.10, 0.15, 0.20, 0.25)
+# The sweep of EVALUATION.md / issue 5, plus the two experiments at r = 0.15.
+SWEEP = (["full", "reuse", "epic-k8", "epic-k16", "epic-k32"]
+         + [f"cacheblend@{r:.2f}" for r in RATIOS] + [f"speccache@{r:.2f}" for r in RATIOS]
+         + ["epic@0.15", "random@0.15", "oracle@0.15", "static@0.15", "deviation@0.15"])
+# Every method at r = 0.15 (what the headline table compares).
+AT_015 = ["full", "reuse", "epic@0.15", "epic-k16", "cacheblend@0.15", "speccache@0.15", "static@0.15",
+          "deviation@0.15", "random@0.15", "oracle@0.15"]
+# Timed methods (oracle needs a full target prefill by construction: an analysis bound, not timed).
+TTFT_015 = ["full", "reuse", "epic@0.15", "cacheblend@0.15", "speccache@0.15", "static@0.15", "deviation@0.15",
+            "random@0.15"]
+
+
+@dataclass
+class Suite:
+    name: str
+    description: str
+    pairs: list[tuple[str, str]]                 # (target, draft)
+    n_per_task: int = 2
+    n_chunks: int = 6
+    chunk_tokens: int = 256
+    methods: list[str] = field(default_factory=lambda: list(AT_015))   # on every example
+    sweep_methods: list[str] = field(default_factory=list)             # on the first sweep_examples only
+    sweep_examples: int = 0
+    ttft_methods: list[str] = field(default_factory=lambda: list(TTFT_015))
+    ttft_examples: int = 2
+    ttft_reps: int = 5
+    ttft_warmup: int = 1
+    ttft_n_chunks: int | None = None             # None: time the quality prompts themselves
+    ttft_chunk_tokens: int | None = None
+    max_new_tokens: int = 24
+    seed: int = 0
+    agreement: bool = True
+    tasks: tuple[str, ...] = TASKS
+
+    def validate(self) -> "Suite":
+        from .methods import parse_method
+
+        for m in [*self.methods, *self.sweep_methods, *self.ttft_methods]:
+            parse_method(m)
+        if self.ttft_methods and "full" not in self.ttft_methods:
+            raise ValueError("ttft_methods must include 'full' (ratios are to full, in the same run)")
+        if self.ttft_reps < 1 or self.n_per_task < 1:
+            raise ValueError("need ttft_reps >= 1 and n_per_task >= 1")
+        return self
+
+    def replace(self, **changes) -> "Suite":
+        changes = {k: v for k, v in changes.items() if v is not None}
+        return dataclasses.replace(self, **changes).validate()
+
+    @property
+    def num_examples(self) -> int:
+        return self.n_per_task * len(self.tasks)
+
+
+SMOL = "smollm2-135m"
+QWEN05 = "qwen2.5-coder-0.5b"
+QWEN15 = "qwen2.5-coder-1.5b"
+
+SUITES: dict[str, Suite] = {
+    "quick": Suite(
+        name="quick",
+        description="CI smoke run: SmolLM2-135M target and draft, 2 examples per task, 6 chunks of 256 tokens, "
+                    "the whole method × budget sweep, TTFT on 1 prompt.",
+        pairs=[(SMOL, SMOL)], n_per_task=2, n_chunks=6, chunk_tokens=256,
+        methods=list(SWEEP), ttft_examples=1, ttft_reps=5, max_new_tokens=16),
+    "core": Suite(
+        name="core",
+        description="Every method at r = 0.15 on 21 prompts of 6 chunks × 128 target tokens, for target "
+                    "SmolLM2-135M with draft SmolLM2-135M, and target Qwen2.5-Coder-0.5B with draft SmolLM2-135M; "
+                    "TTFT interleaved on 2 of the prompts (deviation@0.15 not timed: same draft prefill as "
+                    "speccache@0.15).",
+        pairs=[(SMOL, SMOL), (QWEN05, SMOL)], n_per_task=7, n_chunks=6, chunk_tokens=128,
+        methods=list(AT_015), ttft_methods=[m for m in TTFT_015 if m != "deviation@0.15"],
+        ttft_examples=2, ttft_reps=5, max_new_tokens=10),
+    "paper": Suite(
+        name="paper",
+        description="Qwen2.5-Coder-1.5B target with a same-family draft (Qwen2.5-Coder-0.5B) and a cross-family, "
+                    "cross-tokenizer draft (SmolLM2-135M): every method at r = 0.15 on 30 prompts per task of "
+                    "4 chunks × 512 tokens (~2 k tokens), the full r-sweep on the first 6 prompts, TTFT "
+                    "interleaved at 8 chunks × 512 tokens (~4 k tokens) on 3 prompts.",
+        pairs=[(QWEN15, QWEN05), (QWEN15, SMOL)], n_per_task=30, n_chunks=4, chunk_tokens=512,
+        methods=list(AT_015), sweep_methods=list(SWEEP), sweep_examples=6,
+        ttft_examples=3, ttft_reps=5, ttft_n_chunks=8, ttft_chunk_tokens=512, max_new_tokens=24),
+}
+
+
+def get_suite(name: str) -> Suite:
+    try:
+        return SUITES[name].validate()
+    except KeyError:
+        raise ValueError(f"unknown suite {name!r}; choose one of {', '.join(SUITES)}") from None

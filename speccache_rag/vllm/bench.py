@@ -1,0 +1,147 @@
+"""Benchmark: requests/s and TTFT (median, p90) of a batch of RAG requests on vLLM, full prefill vs
+SpecCache (and any other method), reported as ratios from one run of one engine.
+
+    python -m speccache_rag.vllm.bench --target qwen2.5-coder-0.5b --draft smollm2-135m \\
+        --requests 8 --chunks-per-request 4 --max-new-tokens 16 --json results/vllm_bench.json
+
+Workload: the demo documents cut into chunks of about ``--chunk-tokens`` tokens, all precomputed
+first (not timed); each request asks one demo question over ``--chunks-per-request`` chunks (its
+source documents' chunks first, then random others, shuffled), so requests have different chunk
+sets and orders. All requests of a method are submitted at once (vLLM batches them); methods
+alternate for ``--rounds`` rounds. Every request carries a unique cache salt, so vLLM's prefix
+cache never serves one request's prompt to another: each method computes every request cold.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+from ..config import ReuseConfig
+from ..prompt import RAGPrompt
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return 0.0
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def demo_workload(tokenizer, requests: int, chunks_per_request: int, chunk_tokens: int = 200,
+                  seed: int = 0) -> tuple[list[str], list[RAGPrompt]]:
+    """(every chunk text, the request prompts) from the packaged demo documents."""
+    from ..chunking import Document, chunk_documents, token_counter
+    from ..data import demo_documents, demo_questions
+
+    docs = [Document(name, text) for name, text in demo_documents()]
+    chunks = chunk_documents(docs, max_tokens=chunk_tokens, count=token_counter(tokenizer))
+    texts = [c.text for c in chunks]
+    questions = demo_questions()
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(requests):
+        q = questions[i % len(questions)]
+        own = [j for j, c in enumerate(chunks) if c.source in q["sources"]]
+        others = [j for j in range(len(chunks)) if j not in own]
+        rng.shuffle(others)
+        picked = (own + others)[:chunks_per_request]
+        rng.shuffle(picked)
+        prompts.append(RAGPrompt(chunks=[texts[j] for j in picked], question=q["question"]))
+    return texts, prompts
+
+
+def run_bench(engine, prompts: list[RAGPrompt], max_new_tokens: int = 16, methods=("full", "speccache"),
+              recompute_ratio: float = 0.15, rounds: int = 1, baseline: str = "full") -> dict:
+    """Run each method's batch ``rounds`` times (methods interleaved) on one engine → metrics and ratios."""
+    ttfts: dict[str, list[float]] = {m: [] for m in methods}
+    walls: dict[str, list[float]] = {m: [] for m in methods}
+    recomputed: dict[str, list[float]] = {m: [] for m in methods}
+    hits: dict[str, list[int]] = {m: [] for m in methods}
+    for r in range(rounds):
+        for m in methods:
+            reuse = ReuseConfig(method=m, recompute_ratio=recompute_ratio)
+            t = time.perf_counter()
+            outs = engine.generate_many(prompts, max_new_tokens=max_new_tokens, reuse=reuse,
+                                        cache_salt=f"bench-{r}-{m}-{time.time_ns()}")
+            walls[m].append(time.perf_counter() - t)
+            ttfts[m] += [o.stats.ttft_s for o in outs]
+            recomputed[m] += [o.stats.recomputed_tokens / o.stats.prompt_tokens for o in outs]
+            hits[m] += [o.stats.cache_hits for o in outs]
+    n = len(prompts)
+    result = {"requests": n, "rounds": rounds, "max_new_tokens": max_new_tokens, "recompute_ratio": recompute_ratio,
+              "prompt_tokens_mean": None, "methods": {}, "ratios": {}}
+    for m in methods:
+        result["methods"][m] = {
+            "requests_per_s": n * rounds / sum(walls[m]),
+            "ttft_median_s": statistics.median(ttfts[m]),
+            "ttft_p90_s": _quantile(ttfts[m], 0.9),
+            "recomputed_share_mean": statistics.mean(recomputed[m]),
+            "cache_hits_mean": statistics.mean(hits[m]),
+        }
+    if baseline in methods:
+        base = result["methods"][baseline]
+        for m in methods:
+            if m == baseline:
+                continue
+            cur = result["methods"][m]
+            result["ratios"][f"{m}_vs_{baseline}"] = {
+                "requests_per_s": cur["requests_per_s"] / base["requests_per_s"],
+                "ttft_median": base["ttft_median_s"] / cur["ttft_median_s"],     # > 1: m starts sooner
+                "ttft_p90": base["ttft_p90_s"] / cur["ttft_p90_s"],
+            }
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--draft", default=None, help="speculative scorer (default: the target scores itself)")
+    ap.add_argument("--store", default="memory://", help="chunk KV store (directory, redis://, memory://)")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--chunks-per-request", type=int, default=4)
+    ap.add_argument("--chunk-tokens", type=int, default=200)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--methods", nargs="+", default=["full", "speccache"])
+    ap.add_argument("--ratio", type=float, default=0.15, help="recompute ratio of the reuse methods")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--kv-cache-gib", type=int, default=2)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="also write the result here")
+    args = ap.parse_args(argv)
+
+    from ..engine import SpecCacheEngine
+
+    engine = SpecCacheEngine.from_pretrained(args.target, draft=args.draft, store=args.store, backend="vllm",
+                                             kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len)
+    try:
+        texts, prompts = demo_workload(engine.tokenizer, args.requests, args.chunks_per_request, args.chunk_tokens,
+                                       args.seed)
+        engine.precompute(texts, progress=True)
+        warm = engine.generate_many(prompts[:1], max_new_tokens=2, reuse=ReuseConfig(method="speccache"),
+                                    cache_salt="warmup")              # loads the draft; not timed
+        del warm
+        result = run_bench(engine, prompts, args.max_new_tokens, tuple(args.methods), args.ratio, args.rounds)
+        from ..prompt import render
+
+        result["prompt_tokens_mean"] = statistics.mean(len(render(p, engine.tokenizer)) for p in prompts)
+        result.update(target=args.target, draft=args.draft or args.target, chunks_per_request=args.chunks_per_request)
+    finally:
+        engine.close()
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

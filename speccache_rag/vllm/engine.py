@@ -1,0 +1,274 @@
+"""``VllmSpecCacheEngine``: the torch engine's API (precompute / generate / stream / last_output) on vLLM.
+
+``SpecCacheEngine.from_pretrained(..., backend="vllm")`` returns one. vLLM runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the scheduler, the worker with the SpecCache connector and
+this client share the KV store object and the per-request statistics. Every request carries its
+chunk spans and the RAGPrompt in ``kv_transfer_params``, so the connector needs no content lookup
+and the draft reads the prompt exactly as the torch engine's draft does (same selection).
+
+Chunk KV is computed by vLLM itself (a one-token request per chunk whose prompt is the sink and the
+chunk), under the same fingerprint and key as the torch engine's: either backend reads what the
+other stored.
+"""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import GenerationConfig, ReuseConfig
+from ..engine import GenerationOutput, GenerationStats
+from ..kv import chunk_key
+from ..prompt import RAGPrompt, render, tokenize_piece
+from ..store import KVStore
+from . import PARAMS_KEY, kv_transfer_config, require_vllm
+from .lookup import dtype_name, fingerprint_for, shared_store, sink_token_ids
+
+_STAT_FIELDS = ("reused_tokens", "recomputed_tokens", "cache_hits", "cache_misses", "load_s", "draft_s", "recompute_s")
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    tag: str
+    method: str
+    prompt_tokens: int
+    start: float
+    want_logits: bool = False
+    ttft_s: float | None = None
+    total_s: float = 0.0
+    text: str = ""
+    output: object = None
+    pieces: list[str] = field(default_factory=list)
+
+
+class VllmSpecCacheEngine:
+    """SpecCache on vLLM, in process. Build it with ``SpecCacheEngine.from_pretrained(..., backend="vllm")``."""
+
+    backend = "vllm"
+
+    def __init__(self, target: str, draft: str | None = None, store: KVStore | str = "./.speccache/kv",
+                 dtype: torch.dtype | str = torch.float32, sink: str = "bos", fill_misses: bool = True,
+                 method: str = "speccache", recompute_ratio: float = 0.15, max_model_len: int | None = None,
+                 kv_cache_gib: int | None = None, enforce_eager: bool = True, name: str | None = None,
+                 **engine_kwargs):
+        require_vllm()
+        from transformers import AutoConfig
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        from ..models import load_tokenizer, resolve
+
+        if sink not in ("bos", "none"):
+            raise ValueError(f"sink must be 'bos' or 'none', got {sink!r}")
+        self.model_dir = resolve(target)
+        self.name = name or str(target)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.store, store_url = shared_store(store)
+        self.sink = sink
+        self.dtype = dtype_name(dtype)
+        self.fingerprint = fingerprint_for(str(self.model_dir), self.dtype, sink)
+        self._sink_ids = sink_token_ids(self.tokenizer, sink)
+        config = AutoConfig.from_pretrained(str(self.model_dir))
+        self.context_window = int(max_model_len or min(config.max_position_embeddings, 8192))
+        draft_dir = None if draft in (None, target) else str(resolve(draft))
+        ktc = kv_transfer_config(store_url, draft_dir, method, recompute_ratio, sink=sink, fill_misses=fill_misses)
+        args = EngineArgs(model=str(self.model_dir), dtype=self.dtype, max_model_len=self.context_window,
+                          enforce_eager=enforce_eager, enable_prefix_caching=True, max_logprobs=-1,
+                          kv_transfer_config=KVTransferConfig(**ktc), **engine_kwargs)
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        if kv_cache_gib is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            self.engine = LLMEngine.from_engine_args(args)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        self.last_output: GenerationOutput | None = None
+        self._defaults = (method, recompute_ratio)
+
+    # ---- ingestion ------------------------------------------------------------------------------
+    def precompute(self, texts: Iterable[str], progress: bool = False) -> list[str]:
+        """Compute and store the KV of each chunk text through vLLM (idempotent); returns their keys."""
+        from tqdm.auto import tqdm
+        from vllm import SamplingParams
+
+        texts = list(texts)
+        keys, todo = [], {}
+        for text in texts:
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError("cannot precompute an empty chunk")
+            ids, _ = tokenize_piece(self.tokenizer, text)
+            if len(self._sink_ids) + len(ids) + 1 > self.context_window:
+                raise ValueError(f"chunk of {len(ids)} tokens exceeds the context window of {self.context_window}")
+            key = chunk_key(self.fingerprint, ids)
+            keys.append(key)
+            if key not in todo and not self.store.contains(key):
+                todo[key] = ids
+        bar = tqdm(total=len(todo), desc="precompute KV (vLLM)", unit="chunk", disable=not progress)
+        pending = []
+        for key, ids in todo.items():
+            s = len(self._sink_ids)
+            params = {"op": "precompute", "span": [s, s + len(ids)], "tag": uuid.uuid4().hex}
+            sp = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": {PARAMS_KEY: params}})
+            prompt = {"prompt_token_ids": self._sink_ids + ids + ids[-1:]}
+            pending.append(self._add(prompt, sp, params["tag"], "precompute", len(prompt["prompt_token_ids"])))
+        for p, _ in self._drive(pending):
+            if p.output is not None and p.output.finished:
+                bar.update(1)
+        bar.close()
+        missing = [k for k in todo if not self.store.contains(k)]
+        if missing:
+            raise RuntimeError(f"{len(missing)} chunk(s) were not stored by the vLLM worker; see the log "
+                               "for 'SpecCache:' warnings (unsupported model, or the plugin is not installed)")
+        return keys
+
+    # ---- query ----------------------------------------------------------------------------------
+    def generate(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
+                 temperature: float = 0.0, top_p: float = 1.0, stop: Iterable[str] | str | None = None,
+                 seed: int | None = None, return_first_logits: bool = False) -> GenerationOutput:
+        for _ in self.stream(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits):
+            pass
+        return self.last_output
+
+    def stream(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
+               temperature: float = 0.0, top_p: float = 1.0, stop: Iterable[str] | str | None = None,
+               seed: int | None = None, return_first_logits: bool = False) -> Iterator[str]:
+        """Yield text as it is generated; ``self.last_output`` holds the full result afterwards."""
+        pending = self._submit(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits)
+        for p, piece in self._drive([pending]):
+            if piece:
+                yield piece
+        self.last_output = self._result(pending)
+
+    def generate_many(self, prompts: list[RAGPrompt], max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
+                      temperature: float = 0.0, top_p: float = 1.0, stop: Iterable[str] | str | None = None,
+                      seed: int | None = None, cache_salt: str | None = None) -> list[GenerationOutput]:
+        """Submit every prompt at once (vLLM batches them, blends included) and wait for all.
+
+        ``cache_salt``: keeps these requests from hitting (exact) prefix-cache blocks of earlier ones
+        (benchmarks: every request is then computed cold); blended requests are always salted.
+        """
+        pending = [self._submit(p, max_new_tokens, reuse, temperature, top_p, stop, seed, False, cache_salt)
+                   for p in prompts]
+        for _ in self._drive(pending):
+            pass
+        return [self._result(p) for p in pending]
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _submit(self, prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, want_logits,
+                cache_salt: str | None = None) -> _Pending:
+        from vllm import SamplingParams
+
+        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        gen = GenerationConfig(max_new_tokens, temperature, top_p, stop, seed)
+        reuse = reuse or ReuseConfig(method=self._defaults[0], recompute_ratio=self._defaults[1])
+        if not isinstance(prompt, RAGPrompt):
+            raise TypeError(f"prompt must be a RAGPrompt, got {type(prompt).__name__}")
+        start = time.perf_counter()
+        tokens = render(prompt, self.tokenizer)
+        if len(tokens) + gen.max_new_tokens > self.context_window:
+            raise ValueError(f"prompt of {len(tokens)} tokens + max_new_tokens={gen.max_new_tokens} exceeds the "
+                             f"context window of {self.context_window} tokens; retrieve fewer or shorter chunks")
+        tag = uuid.uuid4().hex
+        params = {"method": reuse.method, "recompute_ratio": reuse.recompute_ratio, "tag": tag,
+                  "reuse": {k: v for k, v in vars(reuse).items() if k not in ("method", "recompute_ratio")},
+                  "spans": [[s.start, s.end] for s in tokens.chunk_segments()],
+                  "prompt": {"system": prompt.system, "chunks": list(prompt.chunks), "question": prompt.question}}
+        sp = SamplingParams(max_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
+                            stop=list(gen.stop) or None, seed=gen.seed, logprobs=-1 if want_logits else None,
+                            extra_args={"kv_transfer_params": {PARAMS_KEY: params}})
+        request = {"prompt_token_ids": tokens.token_ids}
+        if cache_salt:
+            request["cache_salt"] = f"{cache_salt}:{tag}"
+        return self._add(request, sp, tag, reuse.method, len(tokens), start, want_logits)
+
+    def _add(self, prompt: dict, sp, tag: str, method: str, n: int, start: float | None = None,
+             want_logits: bool = False) -> _Pending:
+        request_id = f"speccache-{tag}"
+        p = _Pending(request_id, tag, method, n, start if start is not None else time.perf_counter(), want_logits)
+        self.engine.add_request(request_id, prompt, sp)
+        self._inflight[request_id] = p
+        return p
+
+    @property
+    def _inflight(self) -> dict[str, _Pending]:
+        if not hasattr(self, "_inflight_map"):
+            self._inflight_map = {}
+        return self._inflight_map
+
+    def _drive(self, pending: list[_Pending]) -> Iterator[tuple[_Pending, str]]:
+        """Step the engine until every request in ``pending`` has finished; yields (request, new text)."""
+        waiting = {p.request_id for p in pending}
+        while waiting:
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError(f"vLLM dropped {len(waiting)} request(s)")
+            for out in self.engine.step():
+                p = self._inflight.get(out.request_id)
+                if p is None:
+                    continue
+                now = time.perf_counter()
+                o = out.outputs[0] if out.outputs else None
+                if o is not None and p.ttft_s is None and len(o.token_ids) > 0:
+                    p.ttft_s = now - p.start
+                p.output = out
+                piece = ""
+                if o is not None and len(o.text) > len(p.text):
+                    piece, p.text = o.text[len(p.text):], o.text
+                if out.finished:
+                    p.total_s = now - p.start
+                    self._inflight.pop(out.request_id, None)
+                    waiting.discard(out.request_id)
+                yield p, piece
+
+    def _result(self, p: _Pending) -> GenerationOutput:
+        from .connector import pop_report
+
+        out = p.output
+        o = out.outputs[0]
+        stats = GenerationStats(method=p.method, prompt_tokens=p.prompt_tokens, generated_tokens=len(o.token_ids),
+                                ttft_s=p.ttft_s or 0.0, total_s=p.total_s)
+        report = pop_report(p.tag) or ((out.kv_transfer_params or {}).get(PARAMS_KEY) if out.kv_transfer_params else None)
+        if report:
+            for name in _STAT_FIELDS:
+                setattr(stats, name, report[name])
+        else:                                   # full prefill, or a fallback to it: vLLM computed every token
+            stats.recomputed_tokens = p.prompt_tokens
+        first_logits = None
+        if p.want_logits and o.logprobs:
+            first = o.logprobs[0]
+            first_logits = torch.full((max(len(self.tokenizer), max(first) + 1),), float("-inf"))
+            for tok, lp in first.items():
+                first_logits[tok] = lp.logprob
+        finish = "stop" if o.finish_reason == "stop" else "length"
+        result = GenerationOutput(o.text, list(o.token_ids), stats, finish, first_logits)
+        result.connector_report = report      # vLLM backend extra: the worker's raw report (or None)
+        return result
+
+    def close(self) -> None:
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is not None:
+            for target in (engine, getattr(engine, "engine_core", None)):
+                shutdown = getattr(target, "shutdown", None)
+                if callable(shutdown):
+                    try:
+                        shutdown()
+                    except Exception:
+                        pass
+                    break
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,175 @@
+"""What the connector shares with the torch engine: model fingerprint, sink tokens, stores, and
+finding stored chunks inside an arbitrary prompt by token content.
+
+The fingerprint has one definition, :func:`speccache_rag.kv.model_fingerprint`, over the Hugging
+Face model. vLLM holds the same weights under other names (fused QKV), so the fingerprint of a vLLM
+model is that of the HF model loaded from the same converted directory at the same dtype, computed
+once and cached in a JSON file keyed by the directory's files (size, mtime) — later engine starts
+read the JSON. KV precomputed by the torch backend and by the vLLM backend thus share keys.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import threading
+import types
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from ..kv import KV_LAYOUT_VERSION, chunk_key, model_fingerprint
+from ..store import DiskStore, KVStore, open_store
+
+_FP_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def _dir_signature(model_dir: Path) -> list:
+    sig = []
+    for p in sorted(model_dir.iterdir()):
+        if p.suffix == ".safetensors" or p.name in _FP_FILES:
+            st = p.stat()
+            sig.append([p.name, st.st_size, st.st_mtime_ns])
+    return sig
+
+
+@functools.lru_cache(maxsize=16)
+def fingerprint_for(model_dir: str, dtype: str, sink: str) -> str:
+    """``model_fingerprint`` of the HF model in ``model_dir`` at ``dtype`` (e.g. "float32"), cached on disk."""
+    from ..models import cache_home, load
+
+    path = Path(model_dir).resolve()
+    ident = json.dumps({"dir": str(path), "files": _dir_signature(path), "dtype": dtype, "sink": sink,
+                        "layout": KV_LAYOUT_VERSION}, sort_keys=True)
+    cache = cache_home() / "fingerprints" / f"{hashlib.sha256(ident.encode()).hexdigest()[:32]}.json"
+    try:
+        return json.loads(cache.read_text())["fingerprint"]
+    except (OSError, ValueError, KeyError):
+        pass
+    model, tok = load(path, dtype=dtype)
+    fp = model_fingerprint(model, tok, sink)
+    del model
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"fingerprint": fp, "ident": json.loads(ident)}))
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return fp
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def sink_token_ids(tokenizer, sink: str) -> list[int]:
+    """The tokens a chunk is prefilled after when its KV is computed (the torch engine's definition)."""
+    from ..engine import SpecCacheEngine
+
+    # One definition: the torch engine's method only reads ``sink`` and ``tokenizer``.
+    return SpecCacheEngine._sink_token_ids(types.SimpleNamespace(sink=sink, tokenizer=tokenizer))
+
+
+# ---- stores shared inside one process ------------------------------------------------------------
+_SHARED: dict[str, KVStore] = {}
+_SHARED_LOCK = threading.Lock()
+OBJECT_SCHEME = "speccache-object://"
+
+
+def shared_store(spec: str | KVStore) -> tuple[KVStore, str]:
+    """(store, url): the scheduler and worker connectors and an in-process engine live in one process
+    and must see one ``memory://`` store; a ``KVStore`` object is registered under an object URL."""
+    with _SHARED_LOCK:
+        if isinstance(spec, KVStore):
+            url = f"{OBJECT_SCHEME}{id(spec)}"
+            _SHARED[url] = spec
+            return spec, url
+        spec = os.fspath(spec)
+        if spec.startswith(OBJECT_SCHEME):
+            if spec not in _SHARED:
+                raise ValueError(f"store {spec} is an in-process object of another process; "
+                                 "use a directory or redis:// store with vllm serve")
+            return _SHARED[spec], spec
+        if spec.startswith("memory://"):
+            if spec not in _SHARED:
+                _SHARED[spec] = open_store(spec)
+            return _SHARED[spec], spec
+        return open_store(spec), spec
+
+
+# ---- finding stored chunks by token content ------------------------------------------------------
+def peek_token_ids(store: KVStore, key: str) -> list[int] | None:
+    """A stored entry's token ids, reading only the safetensors header where the store is a directory."""
+    if isinstance(store, DiskStore):
+        try:
+            with open(store.path(key), "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                if not 0 < n < 1 << 26:
+                    return None
+                header = json.loads(f.read(n))
+            return list(json.loads(header["__metadata__"]["json"])["token_ids"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    entry = store.get(key)
+    return None if entry is None else list(entry.token_ids)
+
+
+class ChunkIndex:
+    """Stored chunks of one model, indexed by their first ``head`` tokens, for finding them in prompts.
+
+    Entries are content-addressed (key = f(fingerprint, token ids)) and so never change; the index
+    only learns new keys and forgets deleted ones. Entries of other models are remembered as foreign
+    and never read twice.
+    """
+
+    def __init__(self, store: KVStore, fingerprint: str, head: int = 8):
+        self.store, self.fingerprint, self.head = store, fingerprint, max(1, head)
+        self._ids: dict[str, list[int]] = {}
+        self._foreign: set[str] = set()
+        self._by_head: dict[tuple, list[str]] = defaultdict(list)
+        self._lock = threading.Lock()
+
+    def refresh(self) -> None:
+        keys = set(self.store.keys())
+        with self._lock:
+            for key in list(self._ids):
+                if key not in keys:
+                    ids = self._ids.pop(key)
+                    self._by_head[tuple(ids[: self.head])].remove(key)
+            for key in keys - self._ids.keys() - self._foreign:
+                ids = peek_token_ids(self.store, key)
+                if ids is None:
+                    continue
+                if len(ids) < self.head or chunk_key(self.fingerprint, ids) != key:
+                    self._foreign.add(key)
+                    continue
+                self._ids[key] = ids
+                self._by_head[tuple(ids[: self.head])].append(key)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def find(self, prompt: list[int]) -> list[tuple[int, int, str]]:
+        """Non-overlapping (start, end, key) of stored chunks in ``prompt``, left to right, longest first."""
+        found, i, n = [], 0, len(prompt)
+        with self._lock:
+            while i + self.head <= n:
+                best = None
+                for key in self._by_head.get(tuple(prompt[i: i + self.head]), ()):
+                    ids = self._ids[key]
+                    if (best is None or len(ids) > len(self._ids[best])) and prompt[i: i + len(ids)] == ids:
+                        best = key
+                if best is None:
+                    i += 1
+                    continue
+                end = i + len(self._ids[best])
+                found.append((i, end, best))
+                i = end
+        return found
+
+
+def as_long(x) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.long)

