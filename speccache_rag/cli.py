@@ -303,6 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream", action="store_true", help="print the answer as it is generated")
     _add_chunk_args(p)
     p.set_defaults(func=cmd_ask)
+
+    from .bench.cli import add_arguments as _bench_arguments, run_from_args as _bench_run
+    p = sub.add_parser("bench", help="benchmark quality x time to first token across methods (docs/benchmarks.md)",
+                       description="Sweep methods and budgets over the same prompts; write results.jsonl, "
+                                   "report.md and PNG plots (resumable).")
+    _bench_arguments(p)
+    p.set_defaults(func=_bench_run)
     return parser
 
 

@@ -165,7 +165,6 @@ def test_demo_end_to_end(filled_store, shared_model, capsys):
     (["precompute", "/no/such/docs", "--store", "memory://"], "no such file or directory"),
     (["ask", QUESTION, "--docs", DEMO, "--method", "bogus"], "invalid choice"),
     (["demo", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-    (["bench"], "invalid choice"),
     ([], "required"),
 ])
 def test_user_errors_exit_2_with_one_line(argv, message, capsys, monkeypatch):

@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--longbench", default=None, help="a LongBench-format JSONL file instead of synthetic prompts")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (1 avoids OpenMP oversubscription on a shared machine)")
+    p.add_argument("--stages", default="quality,ttft",
+                   help="quality (scores, fidelity, agreement) and/or ttft (timings); default: both")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -70,7 +72,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
             torch.set_num_threads(args.threads)
         path = run_suite(suite, out, resume=args.resume, fresh=args.fresh, progress=not args.no_progress,
-                         longbench=args.longbench)
+                         longbench=args.longbench, stages=tuple(_csv(args.stages)))
     print(f"report: {path}")
     return 0
 

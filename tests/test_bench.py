@@ -1,0 +1,160 @@
+"""The benchmark harness: data, metrics, method names, report format, and one real `bench --suite quick` run."""
+import json
+import re
+
+import pytest
+import torch
+
+from speccache_rag.bench.data import (TASKS, load_longbench, make_example, prose_paragraphs, split_passages,
+                                      synthetic)
+from speccache_rag.bench.methods import parse_method
+from speccache_rag.bench.metrics import (exact_match, f1_score, first_token_fidelity, normalize_answer, rouge_l,
+                                         string_match, task_scores)
+from speccache_rag.bench.suites import SUITES, SWEEP, get_suite
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+def test_longbench_normalization_and_scores():
+    assert normalize_answer("The  Eiffel-Tower, in Paris!") == "eiffeltower in paris"
+    assert exact_match("the Paris.", "Paris") == 1.0
+    assert f1_score("Paris France", "Paris") == pytest.approx(2 / 3)
+    assert f1_score("London", "Paris") == 0.0
+    assert string_match("Members: Ada Vorn, Bel Quist.", ["Ada Vorn", "Bel Quist", "Cy Tam"]) == pytest.approx(2 / 3)
+    assert rouge_l("a b c d", "a b c d") == pytest.approx(1.0)
+    assert 0 < rouge_l("the cat sat on the mat", "the cat lay on a mat") < 1
+    s = task_scores("It was Kiagammere.", ["Kiagammere"], ["Kiagammere"])
+    assert s["match"] == 1.0 and s["em"] == 0.0 and 0 < s["f1"] < 1
+
+
+def test_first_token_fidelity():
+    a = torch.tensor([2.0, 1.0, 0.0])
+    assert first_token_fidelity(a, a) == {"kl": 0.0, "top1": 1.0}
+    f = first_token_fidelity(a, torch.tensor([0.0, 3.0, 0.0]))
+    assert f["kl"] > 0 and f["top1"] == 0.0
+
+
+# ---- data ----------------------------------------------------------------------------------------
+def test_prose_is_real_text():
+    paras = prose_paragraphs()
+    assert len(paras) > 100
+    assert all(len(p) >= 150 and ">>>" not in p and "::=" not in p for p in paras)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_generator_is_seeded_and_places_facts_in_distinct_chunks(task):
+    a = make_example(task, 3, seed=7, n_chunks=6, chunk_tokens=128)
+    assert a == make_example(task, 3, seed=7, n_chunks=6, chunk_tokens=128)
+    assert a != make_example(task, 4, seed=7, n_chunks=6, chunk_tokens=128)
+    assert len(a.chunks) == 6 and a.question and a.values
+    assert len(set(a.gold_chunks)) == len(a.gold_chunks) == {"needle": 1, "bridge": 2, "aggregate": 3}[task]
+    # each reference value appears in the gold chunks; for the bridge, the two hops are in different chunks
+    joined = " ".join(a.chunks[i] for i in a.gold_chunks)
+    assert all(v in joined for v in a.values)
+    if task == "bridge":
+        founder = re.search(r"was founded by ([^.]+)\.", a.chunks[a.gold_chunks[0]] + a.chunks[a.gold_chunks[1]])
+        assert founder and sum(founder.group(1) in a.chunks[i] for i in a.gold_chunks) == 2
+
+
+def test_synthetic_interleaves_tasks():
+    exs = synthetic(2, seed=0, n_chunks=4, chunk_tokens=64)
+    assert [e.task for e in exs] == list(TASKS) * 2
+    assert len({e.id for e in exs}) == 6
+
+
+def test_longbench_loader(tmp_path):
+    rows = [
+        {"input": "Who directed Film A?", "context": "Passage 1:\nFilm A\nFilm A was directed by Bob.\nPassage 2:\nBob\n"
+                                                     "Bob was born in 1950.", "answers": ["Bob"], "_id": "x1",
+         "dataset": "2wikimqa"},
+        {"input": "", "context": "Alice: hi\nBob: hello\n\nAlice: bye", "answers": ["They greet."], "dataset": "samsum"},
+    ]
+    path = tmp_path / "lb.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    exs = load_longbench(path)
+    assert exs[0].chunks == ["Film A\nFilm A was directed by Bob.", "Bob\nBob was born in 1950."]
+    assert exs[0].metric == "f1" and exs[0].id == "x1"
+    assert exs[1].metric == "rougeL" and exs[1].chunks and exs[1].question
+    assert split_passages("no markers here") == ["no markers here"]
+    (tmp_path / "bad.jsonl").write_text('{"input": "q"}\n')
+    with pytest.raises(ValueError, match="missing field"):
+        load_longbench(tmp_path / "bad.jsonl")
+
+
+# ---- methods and suites --------------------------------------------------------------------------
+def test_method_names():
+    assert parse_method("speccache@0.15").reuse_config().recompute_ratio == 0.15
+    assert parse_method("epic-k16").reuse_config().epic_k == 16
+    assert parse_method("static@0.1").reuse_config().method == "speccache"
+    assert parse_method("deviation@0.2").uses_draft and not parse_method("cacheblend@0.2").uses_draft
+    for bad in ("nope", "speccache@2", "epic-kx", "speccache"):
+        with pytest.raises(ValueError):
+            parse_method(bad)
+
+
+def test_suites_are_valid():
+    for name in SUITES:
+        get_suite(name)
+    assert set(SWEEP) <= set(get_suite("quick").methods)
+    paper = get_suite("paper")
+    assert paper.n_per_task >= 30 and {d for _, d in paper.pairs} == {"qwen2.5-coder-0.5b", "smollm2-135m"}
+    with pytest.raises(ValueError):
+        get_suite("quick").replace(ttft_methods=["reuse"])
+
+
+# ---- the real thing ------------------------------------------------------------------------------
+def _table_rows(md: str, header_start: str) -> list[str]:
+    lines = md.splitlines()
+    i = next(k for k, line in enumerate(lines) if line.startswith(header_start))
+    out = []
+    for line in lines[i:]:
+        if not line.startswith("|"):
+            break
+        out.append(line)
+    return out
+
+
+@pytest.mark.slow
+def test_bench_quick_cli_writes_a_well_formed_report(tmp_path):
+    """`speccache-rag bench --suite quick`, shrunk to fit CI (real SmolLM2, every method family)."""
+    from speccache_rag.cli import main
+
+    out = tmp_path / "quick"
+    methods = "full,reuse,epic-k8,cacheblend@0.15,speccache@0.15,speccache@0.25,static@0.15,deviation@0.15," \
+              "random@0.15,oracle@0.15"
+    argv = ["bench", "--suite", "quick", "--out", str(out), "--per-task", "1", "--chunks", "4", "--chunk-tokens", "48",
+            "--max-new-tokens", "4", "--methods", methods, "--ttft-methods", "full,reuse,speccache@0.15",
+            "--ttft-prompts", "1", "--reps", "1", "--threads", "1", "--no-progress"]
+    assert main(argv) == 0
+
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    quality = [r for r in rows if r["kind"] == "quality"]
+    assert len(quality) == 3 * 10
+    assert len([r for r in rows if r["kind"] == "ttft"]) == 3
+    assert len([r for r in rows if r["kind"] == "agreement"]) == 3
+    for r in quality:
+        assert 0.0 <= r["score"] <= 1.0 and r["kl"] >= 0.0 and r["top1"] in (0.0, 1.0)
+        assert 0.0 <= r["recompute_frac"] <= 1.0 and isinstance(r["prediction"], str)
+        if r["method"] == "full":
+            assert r["kl"] == 0.0 and r["top1"] == 1.0 and r["recompute_frac"] == 1.0
+        if r["method"] == "reuse":
+            assert r["recompute_frac"] == 0.0
+        if r["ratio"] is not None:
+            assert abs(r["recompute_frac"] - r["ratio"]) < 0.05
+    full_ttft = next(r for r in rows if r["kind"] == "ttft" and r["method"] == "full")
+    assert full_ttft["ratio_to_full"] == 1.0 and len(full_ttft["ttft_s"]) == 1
+
+    md = (out / "report.md").read_text()
+    table = _table_rows(md, "| method | recomputed |")
+    assert len(table) == 2 + 10
+    assert all(line.count("|") == table[0].count("|") for line in table)
+    assert "### Time to first token" in md and "### Agreement analysis" in md
+    pngs = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", md)
+    assert len(pngs) == 3
+    for name in pngs:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # resuming a finished run does no work and keeps the rows
+    assert main(["bench", "--suite", "quick", "--out", str(out), "--resume", "--no-progress"] + argv[5:]) == 0
+    assert len((out / "results.jsonl").read_text().splitlines()) == len(rows)
+    # an existing results file is not overwritten by accident
+    assert main(["bench", "--suite", "quick", "--out", str(out), "--no-progress"] + argv[5:]) == 2
