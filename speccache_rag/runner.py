@@ -68,7 +68,9 @@ def run_layers(model, cache: KVCache, h: torch.Tensor, positions: torch.Tensor, 
     m = model.model
     layers = range(len(m.layers)) if layers is None else layers
     num_keys = int(positions.max()) + 1
-    mask = torch.arange(num_keys)[None, :] <= positions[:, None]           # [S, T]
+    # Sorted distinct positions that fill [0, T) are a plain prefill: the fused causal kernel is ~2x faster.
+    dense = positions.numel() == num_keys
+    mask = None if dense else torch.arange(num_keys)[None, :] <= positions[:, None]   # [S, T]
     cos, sin = cos_sin(model, positions, h)                                  # [S, D]
     S = h.shape[0]
     for i in layers:
@@ -84,7 +86,7 @@ def run_layers(model, cache: KVCache, h: torch.Tensor, positions: torch.Tensor, 
         cache.v[i][:, positions] = v
         o = F.scaled_dot_product_attention(
             apply_rope(q, cos, sin)[None], cache.k[i, :, :num_keys][None], cache.v[i, :, :num_keys][None],
-            attn_mask=mask, scale=attn.scaling, enable_gqa=True)[0]          # [H, S, D]
+            attn_mask=mask, is_causal=dense, scale=attn.scaling, enable_gqa=True)[0]          # [H, S, D]
         h = h + attn.o_proj(o.transpose(0, 1).reshape(S, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         if capture is not None:
