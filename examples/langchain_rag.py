@@ -63,8 +63,8 @@ def main(argv=None) -> None:
 
     # 3. An ordinary LCEL chain.
     prompt = ChatPromptTemplate.from_messages([
-        ("system", "Answer the question using only this context. Be brief.\n\n{context}"),
-        ("human", "{question}"),
+        ("system", "Answer the question using only the context. Be brief."),
+        ("human", "Context:\n{context}\n\nQuestion: {question}"),
     ])
     chain = ({"context": retriever | (lambda found: "\n\n".join(d.page_content for d in found)),
               "question": RunnablePassthrough()}

@@ -10,6 +10,10 @@ Matching is exact (after stripping each chunk's outer whitespace, as LlamaIndex'
 and uses the last ``ANCHOR_CHARS`` characters of each chunk as a hash anchor, so one pass over the
 prompt checks every known chunk however many there are. Tails, not heads, are anchored because
 LlamaIndex prefixes every node of a file with the same metadata lines.
+
+``stream_text`` / ``astream_text`` then generate from such a prompt (the framework integrations'
+one generation path): one generation per engine at a time, pieces as they are decoded, and for
+asyncio a worker thread whose pieces reach the event loop one by one.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from dataclasses import dataclass, field
 from .engine import GenerationOutput
 from .prompt import RAGPrompt
 
-ANCHOR_CHARS = 32                   # also the shortest text that counts as a chunk
+ANCHOR_CHARS = 32                   # shorter chunks are matched only when a retrieval hint names them
 _Part = str | int                   # literal text, or the index of a chunk
 
 

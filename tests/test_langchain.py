@@ -101,7 +101,8 @@ class TestChatSpecCacheIntegration(ChatModelIntegrationTests):
         return full
 
 
-for _cls, _base in ((TestChatSpecCacheUnit, ChatModelUnitTests), (TestChatSpecCacheIntegration, ChatModelIntegrationTests)):
+for _cls, _base in ((TestChatSpecCacheUnit, ChatModelUnitTests),
+                    (TestChatSpecCacheIntegration, ChatModelIntegrationTests)):
     for _name, _test in _unsupported(_base, _UNSUPPORTED).items():
         setattr(_cls, _name, _test)
 

@@ -78,6 +78,15 @@ def test_ratio_one_answers_like_full_prefill(index, engine):
     assert full.last_stats.method == "full"
 
 
+def test_streaming_and_async_query_engines(index, engine):
+    llm = SpecCacheLLM(engine=engine, max_new_tokens=4, method="reuse")
+    streaming = index.as_query_engine(llm=llm, similarity_top_k=2, streaming=True).query(QUESTION)
+    pieces = list(streaming.response_gen)
+    assert len([p for p in pieces if p]) > 1 and llm.last_stats.cache_hits == 2
+    answer = asyncio.run(index.as_query_engine(llm=llm, similarity_top_k=2).aquery(QUESTION))
+    assert str(answer) == "".join(pieces) and llm.last_stats.cache_hits == 2
+
+
 def test_sync_methods(engine, chunk):
     llm = SpecCacheLLM(engine=engine, max_new_tokens=4, method="reuse")
     prompt = f"Context:\n{chunk}\n\nQuestion: What is this about?"

@@ -78,6 +78,7 @@ class ChatSpecCache(BaseChatModel):
     draft: Optional[str] = Field(default=None, description="Draft model that scores tokens; None: the target.")
     store: Any = Field(default="./.speccache/kv",
                        description="KV store: a directory, 'memory://', 'redis://host:port/db' or a KVStore.")
+    backend: str = Field(default="torch", description="Engine backend: 'torch' or 'vllm'.")
     method: str = Field(default="speccache", description="Reuse method: speccache, cacheblend, epic, reuse, full …")
     recompute_ratio: float = Field(default=0.15, ge=0.0, le=1.0,
                                    description="Share of reused chunk tokens recomputed.")
@@ -118,7 +119,8 @@ class ChatSpecCache(BaseChatModel):
         """The engine, loaded on first use."""
         with self._engine_lock:
             if self._engine is None:
-                self._engine = SpecCacheEngine.from_pretrained(self.target, draft=self.draft, store=self.store)
+                self._engine = SpecCacheEngine.from_pretrained(self.target, draft=self.draft, store=self.store,
+                                                               backend=self.backend)
             return self._engine
 
     @property
@@ -216,7 +218,8 @@ class ChatSpecCache(BaseChatModel):
                   run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
         if self.streaming:
             return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
-        *_, out = stream_text(self.engine, _as_dicts(messages), self._hint_texts(), **self._generate_kwargs(stop, kwargs))
+        *_, out = stream_text(self.engine, _as_dicts(messages), self._hint_texts(),
+                              **self._generate_kwargs(stop, kwargs))
         return self._result(out)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,

@@ -12,6 +12,14 @@ def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+def _shard(text: str) -> tuple[int, int]:
+    k, sep, n = text.partition("/")
+    try:
+        return int(k), int(n)
+    except ValueError:
+        raise ValueError(f"--shard wants K/N, got {text!r}") from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", default="quick", choices=sorted(SUITES), help="what to run (default: quick)")
     p.add_argument("--out", default=None, help="results directory (default: bench-results/SUITE)")
@@ -35,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (1 avoids OpenMP oversubscription on a shared machine)")
     p.add_argument("--stages", default="quality,ttft",
                    help="quality (scores, fidelity, agreement) and/or ttft (timings); default: both")
+    p.add_argument("--shard", default="0/1", metavar="K/N",
+                   help="only prompts with index K mod N: N processes with the same --out and --resume split a suite")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -72,7 +82,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
             torch.set_num_threads(args.threads)
         path = run_suite(suite, out, resume=args.resume, fresh=args.fresh, progress=not args.no_progress,
-                         longbench=args.longbench, stages=tuple(_csv(args.stages)))
+                         longbench=args.longbench, stages=tuple(_csv(args.stages)), shard=_shard(args.shard))
     print(f"report: {path}")
     return 0
 

@@ -229,10 +229,14 @@ STAGES = ("quality", "ttft")
 
 def run_suite(suite: Suite, out: str | Path, resume: bool = False, fresh: bool = False, progress: bool = True,
               longbench: str | None = None, loader: Callable | None = None, report: bool = True,
-              stages: tuple[str, ...] = STAGES) -> Path:
+              stages: tuple[str, ...] = STAGES, shard: tuple[int, int] = (0, 1)) -> Path:
     """Run (or resume) ``suite`` into ``out``; returns the report's path (or the results' if report=False).
 
-    ``stages``: "quality" (scores, fidelity, agreement) and/or "ttft" (interleaved timings)."""
+    ``stages``: "quality" (scores, fidelity, agreement) and/or "ttft" (interleaved timings).
+    ``shard=(k, n)``: only prompts whose index is k mod n (run n processes on one ``out`` to split a suite)."""
+    k_shard, n_shard = shard
+    if not 0 <= k_shard < n_shard:
+        raise ValueError(f"shard must be K/N with 0 <= K < N, got {k_shard}/{n_shard}")
     from tqdm.auto import tqdm
 
     suite.validate()
@@ -257,9 +261,10 @@ def run_suite(suite: Suite, out: str | Path, resume: bool = False, fresh: bool =
             examples = _examples(suite, ttok, longbench)
             plan = [(ex, list(dict.fromkeys(list(suite.methods) + (list(suite.sweep_methods)
                                                                    if i < suite.sweep_examples else []))))
-                    for i, ex in enumerate(examples)] if "quality" in stages else []
+                    for i, ex in enumerate(examples) if i % n_shard == k_shard] if "quality" in stages else []
             timed = (_examples(suite, ttok, longbench, ttft=True)
                      if suite.ttft_methods and suite.ttft_examples and "ttft" in stages else [])
+            timed = [ex for i, ex in enumerate(timed) if i % n_shard == k_shard]
             if not any(any(_quality_todo(suite, pair, ex, ms, done)) for ex, ms in plan) and \
                     not any(_timing_todo(suite, pair, ex, done) for ex in timed):
                 continue                                                  # resumed: nothing left for this pair

@@ -251,10 +251,16 @@ class Blender:
         return self._draft
 
     @torch.inference_mode()
-    def blend(self, token_ids: list[int], spans: list[tuple[int, int]], reuse: ReuseConfig,
+    def blend(self, token_ids: list[int], spans: list, reuse: ReuseConfig,
               slots: torch.Tensor, prompt: RAGPrompt | None = None, precompute: bool = False) -> BlendReport:
-        """Fill the paged cache for prompt positions [0, len(slots)) (all but the last token, which vLLM computes)."""
+        """Fill the paged cache for prompt positions [0, len(slots)) (all but the last token, which vLLM computes).
+
+        spans: [start, end] per chunk, or [start, end, key] when the scheduler found it in the store
+        (then [start, end) may be a prefix of that entry's tokens).
+        """
         n, m = len(token_ids), slots.numel()
+        keys = {int(sp[0]): sp[2] for sp in spans if len(sp) > 2}
+        spans = [(int(sp[0]), int(sp[1])) for sp in spans]
         report = BlendReport(method="precompute" if precompute else reuse.method, prompt_tokens=n)
         tokens = None
         if prompt is not None:
@@ -272,16 +278,18 @@ class Blender:
         missed: list[Segment] = []
         for seg in tokens.chunk_segments():
             ids = tokens.token_ids[seg.start:seg.end]
-            entry = None if precompute else self.store.get(chunk_key(self.fingerprint, ids))
-            if entry is None or entry.token_ids != ids or seg.end > m:
+            key = keys.get(seg.start) or chunk_key(self.fingerprint, ids)
+            entry = None if precompute else self.store.get(key)
+            L = len(ids)
+            if entry is None or entry.token_ids[:L] != ids or seg.end > m:
                 report.cache_misses += 1
                 missed.append(seg)
                 continue
             report.cache_hits += 1
             positions = torch.arange(seg.start, seg.end)
             for i in range(cache.k.shape[0]):
-                cache.k[i, :, seg.start:seg.end] = rotate(self.model, entry.k[i].to(cache.k.dtype), positions, i)
-                cache.v[i, :, seg.start:seg.end] = entry.v[i].to(cache.v.dtype)
+                cache.k[i, :, seg.start:seg.end] = rotate(self.model, entry.k[i, :, :L].to(cache.k.dtype), positions, i)
+                cache.v[i, :, seg.start:seg.end] = entry.v[i, :, :L].to(cache.v.dtype)
             reusable[seg.start:seg.end] = True
         report.load_s = time.perf_counter() - t
 

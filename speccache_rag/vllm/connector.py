@@ -258,7 +258,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
         if "spans" in params:
             spans = _valid_spans(params["spans"], n)
         elif self.options.lookup == "auto":
-            spans = [[s, e] for s, e, _ in self._find(ids)]
+            spans = [[s, e, key] for s, e, key in self._find(ids)]
         else:
             spans = []
         if not spans:
@@ -364,7 +364,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
             plan = spec.plan
             try:
                 prompt = RAGPrompt(**plan["prompt"]) if plan.get("prompt") else None
-                report = blender.blend(spec.token_ids, [tuple(s) for s in plan["spans"]],
+                report = blender.blend(spec.token_ids, plan["spans"],
                                        ReuseConfig(**plan["reuse"]),
                                        slot_mapping(spec.block_ids, self.block_size, n - 1),
                                        prompt=prompt, precompute=plan["op"] == "precompute")

@@ -96,6 +96,7 @@ class VllmSpecCacheEngine:
                     os.environ[k] = v
         self.last_output: GenerationOutput | None = None
         self._defaults = (method, recompute_ratio)
+        self._inflight: dict[str, _Pending] = {}
 
     # ---- ingestion ------------------------------------------------------------------------------
     def precompute(self, texts: Iterable[str], progress: bool = False) -> list[str]:
@@ -146,9 +147,13 @@ class VllmSpecCacheEngine:
                seed: int | None = None, return_first_logits: bool = False) -> Iterator[str]:
         """Yield text as it is generated; ``self.last_output`` holds the full result afterwards."""
         pending = self._submit(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits)
-        for p, piece in self._drive([pending]):
-            if piece:
-                yield piece
+        try:
+            for p, piece in self._drive([pending]):
+                if piece:
+                    yield piece
+        finally:
+            if self._inflight.pop(pending.request_id, None) is not None and self.engine is not None:
+                self.engine.abort_request([pending.request_id])     # the caller stopped reading early
         self.last_output = self._result(pending)
 
     def generate_many(self, prompts: list[RAGPrompt], max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
@@ -200,12 +205,6 @@ class VllmSpecCacheEngine:
         self.engine.add_request(request_id, prompt, sp)
         self._inflight[request_id] = p
         return p
-
-    @property
-    def _inflight(self) -> dict[str, _Pending]:
-        if not hasattr(self, "_inflight_map"):
-            self._inflight_map = {}
-        return self._inflight_map
 
     def _drive(self, pending: list[_Pending]) -> Iterator[tuple[_Pending, str]]:
         """Step the engine until every request in ``pending`` has finished; yields (request, new text)."""

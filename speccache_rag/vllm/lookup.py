@@ -153,22 +153,35 @@ class ChunkIndex:
         return len(self._ids)
 
     def find(self, prompt: list[int]) -> list[tuple[int, int, str]]:
-        """Non-overlapping (start, end, key) of stored chunks in ``prompt``, left to right, longest first."""
+        """Non-overlapping (start, end, key) of stored chunks in ``prompt``, left to right, longest first.
+
+        A match may cover only a *prefix* of a stored chunk (at least ``head`` tokens): inside a
+        prompt a chunk's last token often merges with what follows (a trailing newline before a
+        blank line), and by causality the KV of a chunk's first tokens, computed alone, is the same
+        whatever came after them — the worker reuses those entries and recomputes the rest.
+        """
         found, i, n = [], 0, len(prompt)
         with self._lock:
             while i + self.head <= n:
-                best = None
+                best, best_len = None, 0
                 for key in self._by_head.get(tuple(prompt[i: i + self.head]), ()):
-                    ids = self._ids[key]
-                    if (best is None or len(ids) > len(self._ids[best])) and prompt[i: i + len(ids)] == ids:
-                        best = key
+                    length = _common_prefix(prompt, i, self._ids[key])
+                    if length > best_len:
+                        best, best_len = key, length
                 if best is None:
                     i += 1
                     continue
-                end = i + len(self._ids[best])
-                found.append((i, end, best))
-                i = end
+                found.append((i, i + best_len, best))
+                i += best_len
         return found
+
+
+def _common_prefix(prompt: list[int], start: int, ids: list[int]) -> int:
+    n = min(len(ids), len(prompt) - start)
+    j = 0
+    while j < n and prompt[start + j] == ids[j]:
+        j += 1
+    return j
 
 
 def as_long(x) -> torch.Tensor:

@@ -75,6 +75,7 @@ class SpecCacheLLM(LLM):
                                  description="Draft model that scores tokens; None scores with the target.")
     store: Any = Field(default="./.speccache/kv",
                        description="KV store: a directory, 'memory://', 'redis://host:port/db' or a KVStore.")
+    backend: str = Field(default="torch", description="Engine backend: 'torch' or 'vllm'.")
     max_new_tokens: int = Field(default=64, gt=0, description="Tokens to generate at most.")
     method: str = Field(default="speccache", description="Reuse method: speccache, cacheblend, epic, reuse, full …")
     recompute_ratio: float = Field(default=0.15, ge=0.0, le=1.0,
@@ -117,7 +118,8 @@ class SpecCacheLLM(LLM):
         """The engine, loaded on first use."""
         with self._engine_lock:
             if self._engine is None:
-                self._engine = SpecCacheEngine.from_pretrained(self.target, draft=self.draft, store=self.store)
+                self._engine = SpecCacheEngine.from_pretrained(self.target, draft=self.draft, store=self.store,
+                                                               backend=self.backend)
             return self._engine
 
     @property
