@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 

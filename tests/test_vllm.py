@@ -29,6 +29,8 @@ from speccache_rag.vllm.blend import draft_view, segments_from_spans
 from speccache_rag.vllm.lookup import ChunkIndex, peek_token_ids
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+if os.environ.get("SPECCACHE_REQUIRE_VLLM") == "1" and not HAVE_VLLM:   # CI's vLLM run must not skip
+    raise ImportError("SPECCACHE_REQUIRE_VLLM=1 but vllm is not importable in this environment")
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (pip install 'speccache-rag[cpu]')")
 SCRIPTS = Path(__file__).parent / "vllm_scripts"
 ALL_CPUS = os.sched_getaffinity(0)        # before any in-process vLLM engine binds this process to one core
@@ -91,6 +93,29 @@ def test_segments_and_draft_view_keep_chunk_text_and_offsets():
     assert [s.chunk for s in view.segments] == [s.chunk for s in rendered.segments]
 
 
+def test_selection_from_tokens_equals_the_torch_engines_selection():
+    """Without a RAGPrompt (vllm serve), the draft reads the target's segments: with a shared
+    tokenizer that is the very prompt, so the selection is the torch engine's."""
+    from speccache_rag.models import load_tokenizer, tiny_random_model
+    from speccache_rag.selection import Selection, budget_for
+    from speccache_rag.selection.speculative import speculative_select
+    from speccache_rag.vllm.blend import speculative_select_view
+
+    tok = load_tokenizer("smollm2-135m")
+    draft, _ = tiny_random_model("llama", tokenizer=tok)
+    prompt = RAGPrompt(chunks=CHUNKS[:2], question=QUESTION)
+    tokens = render(prompt, tok)
+    reusable = torch.zeros(len(tokens), dtype=torch.bool)
+    for seg in tokens.chunk_segments():
+        reusable[seg.start:seg.end] = True
+    reuse = ReuseConfig(method="speccache", recompute_ratio=0.15)
+    sel = Selection(tokens, reusable, budget_for(0.15, int(reusable.sum())), reuse)
+    rebuilt = segments_from_spans(tok, tokens.token_ids, [(s.start, s.end) for s in tokens.chunk_segments()])
+    got = speculative_select_view(sel, draft_view(rebuilt, tok), draft)
+    assert got.tolist() == speculative_select(sel, prompt, draft, tok).tolist()
+    assert len(got) == sel.budget
+
+
 def test_connector_options_are_validated():
     from speccache_rag.vllm import kv_transfer_config
 
@@ -107,6 +132,8 @@ def test_connector_options_are_validated():
         Options.from_extra({"method": "oracle"})
     with pytest.raises(ValueError, match="recompute_ratio"):
         Options.from_extra({"recompute_ratio": 2})
+    with pytest.raises(ValueError, match="max_blends_per_step"):
+        Options.from_extra({"max_blends_per_step": -1})
     with pytest.raises(ValueError, match="sorted, non-overlapping"):
         _valid_spans([[5, 9], [8, 12]], 20)
 

@@ -25,7 +25,7 @@ from ..config import ReuseConfig
 from ..engine import SpecCacheEngine
 from ..prompt import RAGPrompt, TokenizedPrompt, render, tokenize_piece
 from ..runner import full_prefill
-from ..selection import Selection, budget_for
+from ..selection import Selection
 from .. import engine as _engine_mod
 from .. import runner as _runner_mod
 from ..selection import oracle as _oracle_mod
@@ -78,36 +78,6 @@ def parse_method(name: str) -> MethodSpec:
                 return MethodSpec(name, family, ratio)
     raise ValueError(f"unknown bench method {name!r}; use full, reuse, epic-kK, or FAMILY@R with FAMILY in "
                      "epic, cacheblend, speccache, random, oracle, static, deviation and R in [0, 1]")
-
-
-def select_from_scores(sel: Selection, draft_tokens: TokenizedPrompt, scores: torch.Tensor) -> torch.Tensor:
-    """speccache steps 2–4 given draft-token scores (same as ``selection.speculative.speculative_select``
-    after its scoring step; kept in step with it — see the report's note about moving it there)."""
-    cfg = sel.config
-    reused = {t.chunk for t in sel.tokens.chunk_segments() if sel.reusable[t.start]}
-    segs = [s for s in draft_tokens.chunk_segments() if s.chunk in reused]
-    if not segs or sel.budget == 0:
-        return torch.empty(0, dtype=torch.long)
-    candidates = torch.cat([torch.arange(s.start, s.end) for s in segs])
-    spans = []
-    if cfg.span_rule == "smooth":
-        for s in segs:
-            spans += _spec_mod.smooth_spans(scores, s.start, s.end, cfg.tau_smooth, cfg.max_span)
-    priority = _spec_mod.expand(scores, candidates, spans, budget_for(cfg.recompute_ratio, candidates.numel()),
-                                cfg.tau_cover)
-    mapping = _spec_mod.map_to_target(draft_tokens, sel.tokens)
-    chosen: dict[int, None] = {}
-    for d in priority:
-        for t in mapping[d]:
-            if len(chosen) < sel.budget and sel.reusable[t]:
-                chosen[t] = None
-        if len(chosen) >= sel.budget:
-            break
-    for t in sel.reusable_positions.tolist():
-        if len(chosen) >= sel.budget:
-            break
-        chosen.setdefault(t, None)
-    return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
 def sink_ids(tokenizer) -> list[int]:
@@ -212,7 +182,7 @@ class BenchEngine(SpecCacheEngine):
             scores = self._deviation_scores(draft_tokens)
         else:
             raise ValueError(f"unknown variant {self.variant!r}")
-        return select_from_scores(sel, draft_tokens, scores)
+        return _spec_mod.select_by_draft_scores(sel, draft_tokens, scores)
 
     def _static_scores(self, draft_tokens: TokenizedPrompt) -> torch.Tensor:
         scores = torch.zeros(len(draft_tokens))

@@ -67,6 +67,7 @@ def ttft_summary(rows: list[dict]) -> dict[str, dict]:
             "ttft_s": mean([r["ttft_median_s"] for r in rs]),
             "prompts": len(rs),
             "reps": min(len(r["ttft_s"]) for r in rs),
+            "min_s": min(min(r["ttft_s"]) for r in rs), "max_s": max(max(r["ttft_s"]) for r in rs),
             "prompt_tokens": mean([r["prompt_tokens"] for r in rs]),
             **{k: mean([r["breakdown"][k] for r in rs]) for k in ("load_s", "draft_s", "recompute_s", "first_decode_s")},
         }
@@ -102,13 +103,14 @@ def _task_table(summary: dict, methods: list[str]) -> list[str]:
 
 
 def _ttft_table(ttft: dict, methods: list[str]) -> list[str]:
-    lines = ["| method | TTFT (s) | TTFT / full | load (s) | draft / select (s) | recompute (s) | first decode (s) "
-             "| prompts × reps | prompt tokens |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| method | TTFT (s) | range (s) | TTFT / full | load (s) | draft / select (s) | recompute (s) "
+             "| first decode (s) | prompts × reps | prompt tokens |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for m in methods:
         if m in ttft:
             t = ttft[m]
-            lines.append(f"| {m} | {_fmt(t['ttft_s'])} | {_fmt(t['ratio'])} | {_fmt(t['load_s'])} | {_fmt(t['draft_s'])} "
+            lines.append(f"| {m} | {_fmt(t['ttft_s'])} | {t['min_s']:.2f}–{t['max_s']:.2f} | {_fmt(t['ratio'])} | "
+                         f"{_fmt(t['load_s'])} | {_fmt(t['draft_s'])} "
                          f"| {_fmt(t['recompute_s'])} | {_fmt(t['first_decode_s'], 4)} | {t['prompts']} × {t['reps']} "
                          f"| {t['prompt_tokens']:.0f} |")
     return lines
@@ -197,14 +199,18 @@ def _plots(out: Path, slug: str, summary: dict, sweep: dict, ttft: dict) -> list
     # 1. quality vs TTFT speedup
     pts = [(m, 1 / ttft[m]["ratio"], summary[m]) for m in ttft if m in summary and ttft[m]["ratio"]]
     if pts:
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        for ax, key, label in ((axes[0], "score", "task score"), (axes[1], "top1", "top-1 agreement with full")):
-            for m, sp, s in pts:
-                ax.scatter(sp, s[key])
-                ax.annotate(m, (sp, s[key]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        markers = "os^vDP*Xhp<>"
+        fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+        for ax, key, label in ((axes[0], "score", "task score"), (axes[1], "top1", "top-1 agreement with full"),
+                               (axes[2], "kl", "KL(full ‖ method), first token")):
+            for i, (m, sp, s) in enumerate(pts):
+                ax.scatter(sp, s[key], marker=markers[i % len(markers)], s=50, label=m)
             ax.set_xlabel("TTFT speedup vs full (×, same run)")
             ax.set_ylabel(label)
+            if key == "kl":
+                ax.set_yscale("symlog", linthresh=1e-3)
             ax.grid(alpha=0.3)
+        axes[2].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
         fig.suptitle("quality vs time to first token")
         fig.tight_layout()
         name = f"{slug}_quality_vs_ttft.png"

@@ -66,9 +66,13 @@ def map_to_target(draft_tokens: TokenizedPrompt, target_tokens: TokenizedPrompt)
 
 
 def speculative_select(sel: Selection, prompt: RAGPrompt, draft, draft_tokenizer) -> torch.Tensor:
-    cfg = sel.config
     draft_tokens = render(prompt, draft_tokenizer)
-    scores = score(draft, draft_tokens, cfg.draft_layers)
+    return select_by_draft_scores(sel, draft_tokens, score(draft, draft_tokens, sel.config.draft_layers))
+
+
+def select_by_draft_scores(sel: Selection, draft_tokens: TokenizedPrompt, scores: torch.Tensor) -> torch.Tensor:
+    """Steps 2 and 3 for any per-draft-token scores [Nd] → target positions within ``sel.budget``."""
+    cfg = sel.config
     # Only draft tokens of chunks whose KV the target reuses compete for the budget.
     reused = {t.chunk for t in sel.tokens.chunk_segments() if sel.reusable[t.start]}
     segs = [s for s in draft_tokens.chunk_segments() if s.chunk in reused]

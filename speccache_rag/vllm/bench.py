@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--kv-cache-gib", type=int, default=2)
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-blends-per-step", type=int, default=0,
+                    help="connector option: blends per engine step (0: all waiting requests at once)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the result here")
     args = ap.parse_args(argv)
@@ -120,7 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
     from ..engine import SpecCacheEngine
 
     engine = SpecCacheEngine.from_pretrained(args.target, draft=args.draft, store=args.store, backend="vllm",
-                                             kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len)
+                                             kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
+                                             connector_options={"max_blends_per_step": args.max_blends_per_step})
     try:
         texts, prompts = demo_workload(engine.tokenizer, args.requests, args.chunks_per_request, args.chunk_tokens,
                                        args.seed)
@@ -132,7 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
         from ..prompt import render
 
         result["prompt_tokens_mean"] = statistics.mean(len(render(p, engine.tokenizer)) for p in prompts)
-        result.update(target=args.target, draft=args.draft or args.target, chunks_per_request=args.chunks_per_request)
+        result.update(target=args.target, draft=args.draft or args.target, chunks_per_request=args.chunks_per_request,
+                      max_blends_per_step=args.max_blends_per_step)
     finally:
         engine.close()
     text = json.dumps(result, indent=2)

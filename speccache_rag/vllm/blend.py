@@ -20,7 +20,7 @@ from ..kv import ChunkKV, chunk_key
 from ..prompt import RAGPrompt, Segment, TokenizedPrompt, render, tokenize_piece
 from ..runner import KVCache
 from ..selection import Selection, budget_for, epic_select, random_select, top_positions
-from ..selection.speculative import expand, map_to_target, score, smooth_spans, speculative_select
+from ..selection.speculative import score, select_by_draft_scores, speculative_select
 
 # Methods the vLLM worker can run ("oracle" needs a full target prefill with hidden-state capture
 # through HF modules: analysis only, torch backend).
@@ -180,33 +180,10 @@ def draft_view(target_tokens: TokenizedPrompt, draft_tokenizer) -> TokenizedProm
 
 
 def speculative_select_view(sel: Selection, draft_tokens: TokenizedPrompt, draft) -> torch.Tensor:
-    """``speculative_select`` for a prompt known only as tokens: the same score → spans → map steps
-    (core functions) over :func:`draft_view` instead of the draft's own chat template."""
-    cfg = sel.config
-    scores = score(draft, draft_tokens, cfg.draft_layers)
-    reused = {t.chunk for t in sel.tokens.chunk_segments() if sel.reusable[t.start]}
-    segs = [s for s in draft_tokens.chunk_segments() if s.chunk in reused and s.end > s.start]
-    if not segs or sel.budget == 0:
-        return torch.empty(0, dtype=torch.long)
-    candidates = torch.cat([torch.arange(s.start, s.end) for s in segs])
-    spans = []
-    if cfg.span_rule == "smooth":
-        for s in segs:
-            spans += smooth_spans(scores, s.start, s.end, cfg.tau_smooth, cfg.max_span)
-    priority = expand(scores, candidates, spans, budget_for(cfg.recompute_ratio, candidates.numel()), cfg.tau_cover)
-    mapping = map_to_target(draft_tokens, sel.tokens)
-    chosen: dict[int, None] = {}
-    for d in priority:
-        for t in mapping[d]:
-            if len(chosen) < sel.budget and sel.reusable[t]:
-                chosen[t] = None
-        if len(chosen) >= sel.budget:
-            break
-    for t in sel.reusable_positions.tolist():
-        if len(chosen) >= sel.budget:
-            break
-        chosen.setdefault(t, None)
-    return torch.tensor(sorted(chosen), dtype=torch.long)
+    """``speculative_select`` for a prompt known only as tokens: the same core steps (score, then
+    ``select_by_draft_scores``: spans, budget, map) over :func:`draft_view` instead of the draft's
+    own chat template."""
+    return select_by_draft_scores(sel, draft_tokens, score(draft, draft_tokens, sel.config.draft_layers))
 
 
 # ---- one request ---------------------------------------------------------------------------------

@@ -96,6 +96,8 @@ class Options:
     fill_misses: bool = True             # store the KV of hinted chunks that missed, for the next request
     lookup: str = "auto"                 # "auto": hints, else token content against the store; "hints": hints only
     min_chunk_tokens: int = 8            # shortest chunk the content lookup finds
+    max_blends_per_step: int = 0         # 0: every waiting request blends in the same engine step;
+                                         # N: at most N per step (earlier first tokens, same work)
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "Options":
@@ -106,6 +108,8 @@ class Options:
         opts = cls(**extra)
         if opts.lookup not in ("auto", "hints"):
             raise ValueError(f"lookup must be 'auto' or 'hints', got {opts.lookup!r}")
+        if opts.max_blends_per_step < 0:
+            raise ValueError(f"max_blends_per_step must be >= 0, got {opts.max_blends_per_step}")
         if opts.method != "full":
             opts.reuse_config(opts.method, opts.recompute_ratio, {})       # validates
         return opts
@@ -283,6 +287,9 @@ class SpecCacheConnector(KVConnectorBase_V1):
             # resumed after preemption, or a local hit we did not plan for: let vLLM compute it exactly
             self._plans.pop(request.request_id, None)
             return 0, False
+        limit = self.options.max_blends_per_step
+        if limit and len(self._pending) >= limit:
+            return None, False                            # this step's blends are taken: ask again next step
         return n - 1, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):

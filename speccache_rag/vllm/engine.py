@@ -55,7 +55,7 @@ class VllmSpecCacheEngine:
                  dtype: torch.dtype | str = torch.float32, sink: str = "bos", fill_misses: bool = True,
                  method: str = "speccache", recompute_ratio: float = 0.15, max_model_len: int | None = None,
                  kv_cache_gib: int | None = None, enforce_eager: bool = True, name: str | None = None,
-                 **engine_kwargs):
+                 connector_options: dict | None = None, **engine_kwargs):
         require_vllm()
         from transformers import AutoConfig
         from vllm.config import KVTransferConfig
@@ -77,7 +77,8 @@ class VllmSpecCacheEngine:
         config = AutoConfig.from_pretrained(str(self.model_dir))
         self.context_window = int(max_model_len or min(config.max_position_embeddings, 8192))
         draft_dir = None if draft in (None, target) else str(resolve(draft))
-        ktc = kv_transfer_config(store_url, draft_dir, method, recompute_ratio, sink=sink, fill_misses=fill_misses)
+        ktc = kv_transfer_config(store_url, draft_dir, method, recompute_ratio, sink=sink, fill_misses=fill_misses,
+                                 **(connector_options or {}))
         args = EngineArgs(model=str(self.model_dir), dtype=self.dtype, max_model_len=self.context_window,
                           enforce_eager=enforce_eager, enable_prefix_caching=True, max_logprobs=-1,
                           kv_transfer_config=KVTransferConfig(**ktc), **engine_kwargs)
