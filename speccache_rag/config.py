@@ -1,7 +1,7 @@
 """Validated configuration: the only place where defaults live."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 METHODS = ("full", "reuse", "epic", "cacheblend", "speccache", "random", "oracle")
 SINK_POLICIES = ("bos", "none")
@@ -65,4 +65,3 @@ class GenerationConfig:
 class StoreConfig:
     max_bytes: int = 8 << 30            # directory store garbage-collects above this
     memory_max_bytes: int = 2 << 30     # memory:// LRU bound
-    extra: dict = field(default_factory=dict)

@@ -94,7 +94,8 @@ def test_method_names():
 def test_suites_are_valid():
     for name in SUITES:
         get_suite(name)
-    assert set(SWEEP) <= set(get_suite("quick").methods)
+    quick = get_suite("quick")
+    assert set(SWEEP) == set(quick.sweep_methods) and quick.sweep_examples >= 1 and "full" in quick.ttft_methods
     paper = get_suite("paper")
     assert paper.n_per_task >= 30 and {d for _, d in paper.pairs} == {"qwen2.5-coder-0.5b", "smollm2-135m"}
     with pytest.raises(ValueError):
@@ -123,7 +124,7 @@ def test_bench_quick_cli_writes_a_well_formed_report(tmp_path):
               "random@0.15,oracle@0.15"
     argv = ["bench", "--suite", "quick", "--out", str(out), "--per-task", "1", "--chunks", "4", "--chunk-tokens", "48",
             "--max-new-tokens", "4", "--methods", methods, "--ttft-methods", "full,reuse,speccache@0.15",
-            "--ttft-prompts", "1", "--reps", "1", "--threads", "1", "--no-progress"]
+            "--ttft-prompts", "1", "--reps", "1", "--sweep-prompts", "0", "--threads", "1", "--no-progress"]
     assert main(argv) == 0
 
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]

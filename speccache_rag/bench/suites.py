@@ -70,10 +70,13 @@ QWEN15 = "qwen2.5-coder-1.5b"
 SUITES: dict[str, Suite] = {
     "quick": Suite(
         name="quick",
-        description="CI smoke run: SmolLM2-135M target and draft, 2 examples per task, 6 chunks of 256 tokens, "
-                    "the whole method × budget sweep, TTFT on 1 prompt.",
+        description="Smoke run: SmolLM2-135M target and draft, 2 prompts per task of 6 chunks × 256 tokens; the "
+                    "goal methods on every prompt, the whole method × budget sweep on the first 2, TTFT on 1.",
         pairs=[(SMOL, SMOL)], n_per_task=2, n_chunks=6, chunk_tokens=256,
-        methods=list(SWEEP), ttft_examples=1, ttft_reps=5, max_new_tokens=16),
+        methods=["full", "reuse", "epic-k16", "cacheblend@0.15", "speccache@0.15", "random@0.15"],
+        sweep_methods=list(SWEEP), sweep_examples=2,
+        ttft_methods=[m for m in TTFT_015 if m != "deviation@0.15"], ttft_examples=1, ttft_reps=5,
+        max_new_tokens=12),
     "core": Suite(
         name="core",
         description="Every method at r = 0.15 on 21 prompts of 6 chunks × 128 target tokens, for target "
