@@ -219,6 +219,8 @@ def _plots(out: Path, slug: str, summary: dict, sweep: dict, ttft: dict) -> list
         files.append(name)
     # 2./3. quality and fidelity vs recompute ratio (measured share of chunk tokens recomputed)
     data = sweep or summary
+    if not data:
+        return files
     fams: dict[str, list] = defaultdict(list)
     for m, s in data.items():
         fams[parse_method(m).family].append((s["recompute_frac"], s))
@@ -281,11 +283,12 @@ def write_report(out: str | Path) -> Path:
         ttft = ttft_summary(_pair_rows(rows, "ttft", *pair))
         agree = [r for r in rows if r["kind"] == "agreement" and r["target"] == target and r["draft"] == draft]
         lines += [f"## target `{target}` ← draft `{draft}`", ""]
-        if not summary:
+        if not summary and not ttft:
             lines += ["(no results yet)", ""]
             continue
-        lines += [f"### Every method ({n} prompts)", ""] + _headline_table(summary, ttft, suite["methods"]) + [""]
-        lines += ["Task score per task:", ""] + _task_table(summary, suite["methods"]) + [""]
+        if summary:
+            lines += [f"### Every method ({n} prompts)", ""] + _headline_table(summary, ttft, suite["methods"]) + [""]
+            lines += ["Task score per task:", ""] + _task_table(summary, suite["methods"]) + [""]
         if ttft:
             lines += ["### Time to first token (seconds on this machine; compare ratios)", ""]
             lines += _ttft_table(ttft, suite["ttft_methods"]) + [""]
