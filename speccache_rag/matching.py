@@ -21,6 +21,7 @@ import asyncio
 import json
 import threading
 import weakref
+from collections import deque
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -46,6 +47,29 @@ class ChatPrompt(RAGPrompt):
     def messages(self, chunk_texts: list[str]) -> list[dict]:
         return [{"role": role, "content": "".join(p if isinstance(p, str) else chunk_texts[p] for p in parts)}
                 for role, parts in self.turns]
+
+
+class RecentRetrievals:
+    """The chunk texts of the last few retrievals, thread-safe: what the frameworks' retriever
+    callbacks record as hints. Concurrent queries each add their own batch."""
+
+    def __init__(self, keep: int = 8):
+        self._batches: deque[list[str]] = deque(maxlen=keep)
+        self._lock = threading.Lock()
+
+    def add(self, texts: list[str]) -> None:
+        with self._lock:
+            self._batches.append(texts)
+
+    def texts(self) -> list[str]:
+        """Hint texts, most recent retrieval first (no duplicates)."""
+        with self._lock:
+            batches = list(self._batches)
+        return list(dict.fromkeys(t for batch in reversed(batches) for t in batch))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._batches.clear()
 
 
 class ChunkIndex:

@@ -7,7 +7,6 @@ that is not in the prompt is ignored, and a chunk is reused only where its exact
 from __future__ import annotations
 
 import threading
-from collections import deque
 from typing import Any, List
 
 from llama_index.core.instrumentation import get_dispatcher
@@ -17,14 +16,15 @@ from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
 from llama_index.core.schema import MetadataMode
 from pydantic import PrivateAttr
 
+from speccache_rag.matching import RecentRetrievals
+
 RECENT_RETRIEVALS = 8       # hint sets kept (concurrent queries each add their own)
 
 
 class RetrievalHints(BaseEventHandler):
     """Keeps the LLM-mode texts of the nodes of the last few retrievals."""
 
-    _recent: deque = PrivateAttr(default_factory=lambda: deque(maxlen=RECENT_RETRIEVALS))
-    _lock: Any = PrivateAttr(default_factory=threading.Lock)
+    _recent: RecentRetrievals = PrivateAttr(default_factory=lambda: RecentRetrievals(RECENT_RETRIEVALS))
 
     @classmethod
     def class_name(cls) -> str:
@@ -33,18 +33,14 @@ class RetrievalHints(BaseEventHandler):
     def handle(self, event: BaseEvent, **kwargs: Any) -> None:
         if isinstance(event, RetrievalEndEvent):
             texts = [n.node.get_content(metadata_mode=MetadataMode.LLM) for n in event.nodes]
-            with self._lock:
-                self._recent.append(texts)
+            self._recent.add(texts)
 
     def texts(self) -> List[str]:
         """Hint texts, most recent retrieval first (no duplicates)."""
-        with self._lock:
-            batches = list(self._recent)
-        return list(dict.fromkeys(t for batch in reversed(batches) for t in batch))
+        return self._recent.texts()
 
     def clear(self) -> None:
-        with self._lock:
-            self._recent.clear()
+        self._recent.clear()
 
 
 _handler: RetrievalHints | None = None
