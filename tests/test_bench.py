@@ -116,22 +116,31 @@ def _table_rows(md: str, header_start: str) -> list[str]:
 
 @pytest.mark.slow
 def test_bench_quick_cli_writes_a_well_formed_report(tmp_path):
-    """`speccache-rag bench --suite quick`, shrunk to fit CI (real SmolLM2, every method family)."""
+    """`speccache-rag bench --suite quick`, shrunk to fit CI (real SmolLM2 and Qwen2.5-Coder-0.5B, every method
+    family), with two drafts for one target as the paper suite has."""
     from speccache_rag.cli import main
 
     out = tmp_path / "quick"
     methods = "full,reuse,epic-k8,cacheblend@0.15,speccache@0.15,speccache@0.25,static@0.15,deviation@0.15," \
               "random@0.15,oracle@0.15"
-    argv = ["bench", "--suite", "quick", "--out", str(out), "--per-task", "1", "--chunks", "4", "--chunk-tokens", "48",
+    pairs = "smollm2-135m:smollm2-135m,smollm2-135m:qwen2.5-coder-0.5b"
+    argv = ["bench", "--suite", "quick", "--out", str(out), "--pairs", pairs, "--per-task", "1", "--chunks", "4",
+            "--chunk-tokens", "48",
             "--max-new-tokens", "4", "--methods", methods, "--ttft-methods", "full,reuse,speccache@0.15",
             "--ttft-prompts", "1", "--reps", "1", "--sweep-prompts", "0", "--threads", "1", "--no-progress"]
     assert main(argv) == 0
 
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     quality = [r for r in rows if r["kind"] == "quality"]
-    assert len(quality) == 3 * 10
-    assert len([r for r in rows if r["kind"] == "ttft"]) == 3
-    assert len([r for r in rows if r["kind"] == "agreement"]) == 3
+    # draft-independent methods run once per prompt (draft null), the 4 draft methods once per draft
+    assert len(quality) == 3 * (6 + 2 * 4)
+    assert sorted(r["method"] for r in quality if r["draft"] is None and r["example"] == quality[0]["example"]) == \
+        ["cacheblend@0.15", "epic-k8", "full", "oracle@0.15", "random@0.15", "reuse"]
+    assert {r["draft"] for r in quality if r["method"] == "deviation@0.15"} == {"smollm2-135m", "qwen2.5-coder-0.5b"}
+    # timed in the same rounds: full and reuse once, speccache once per draft
+    assert sorted((r["method"], r["draft"] or "") for r in rows if r["kind"] == "ttft") == [
+        ("full", ""), ("reuse", ""), ("speccache@0.15", "qwen2.5-coder-0.5b"), ("speccache@0.15", "smollm2-135m")]
+    assert len([r for r in rows if r["kind"] == "agreement"]) == 2 * 3
     for r in quality:
         assert 0.0 <= r["score"] <= 1.0 and r["kl"] >= 0.0 and r["top1"] in (0.0, 1.0)
         assert 0.0 <= r["recompute_frac"] <= 1.0 and isinstance(r["prediction"], str)
@@ -150,7 +159,7 @@ def test_bench_quick_cli_writes_a_well_formed_report(tmp_path):
     assert all(line.count("|") == table[0].count("|") for line in table)
     assert "### Time to first token" in md and "### Agreement analysis" in md
     pngs = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", md)
-    assert len(pngs) == 3
+    assert len(pngs) == 2 * 3
     for name in pngs:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

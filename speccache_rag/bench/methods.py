@@ -101,26 +101,35 @@ class BenchEngine(SpecCacheEngine):
         super().__init__(*args, **kwargs)
         self.variant: str | None = None            # "static" | "deviation" | None
         self.fraction = ReuseConfig().draft_layers
-        self._static: dict[str, torch.Tensor] = {}
-        self._alone: dict[str, torch.Tensor] = {}   # chunk text → [deep layers, n, hidden]
+        # keyed by (draft, chunk text): the pairs of one target keep their drafts' artifacts side by side
+        self._static: dict[tuple[int, str], torch.Tensor] = {}
+        self._alone: dict[tuple[int, str], torch.Tensor] = {}   # → [deep layers, n, hidden]
         self._memo: dict[tuple, dict[int, torch.Tensor]] | None = None
         self._draft_sink = sink_ids(self.draft_tokenizer)
+
+    def use_draft(self, draft, draft_tokenizer) -> None:
+        """Score with another draft from now on (the target, its store, the memo and every draft's
+        ingestion artifacts are kept), so the pairs of one target share its chunk caches, its full-prefill
+        reference and its timing rounds."""
+        self.draft, self.draft_tokenizer = draft, draft_tokenizer
+        self._draft_sink = sink_ids(draft_tokenizer)
 
     # ---- ingestion-time draft artifacts ------------------------------------------------------
     @torch.inference_mode()
     def prepare_draft(self, texts: list[str], static: bool = True, deviation: bool = True) -> None:
         layers = deep_layers(self.draft, self.fraction)
         for text in texts:
-            if (not static or text in self._static) and (not deviation or text in self._alone):
+            key = (id(self.draft), text)
+            if (not static or key in self._static) and (not deviation or key in self._alone):
                 continue
             ids, _ = tokenize_piece(self.draft_tokenizer, text)
             capture: dict[int, torch.Tensor] = {}
             full_prefill(self.draft, torch.tensor(self._draft_sink + ids), capture=capture)
             skip = len(self._draft_sink)
             if static:
-                self._static[text] = torch.stack([capture[i][skip:].norm(dim=-1) for i in layers]).mean(0)
+                self._static[key] = torch.stack([capture[i][skip:].norm(dim=-1) for i in layers]).mean(0)
             if deviation:
-                self._alone[text] = torch.stack([capture[i][skip:] for i in layers])
+                self._alone[key] = torch.stack([capture[i][skip:] for i in layers])
 
     def forget_draft(self) -> None:
         self._static.clear()
@@ -187,7 +196,7 @@ class BenchEngine(SpecCacheEngine):
     def _static_scores(self, draft_tokens: TokenizedPrompt) -> torch.Tensor:
         scores = torch.zeros(len(draft_tokens))
         for seg in draft_tokens.chunk_segments():
-            s = self._static.get(seg.text)
+            s = self._static.get((id(self.draft), seg.text))
             if s is None:
                 raise KeyError("static scores missing for a chunk: call prepare_draft() at ingestion")
             scores[seg.start:seg.end] = s
@@ -199,17 +208,18 @@ class BenchEngine(SpecCacheEngine):
         h = torch.stack([cap[i] for i in layers])                            # [Ld, Nd, H]
         scores = torch.zeros(len(draft_tokens))
         for seg in draft_tokens.chunk_segments():
-            alone = self._alone.get(seg.text)
+            alone = self._alone.get((id(self.draft), seg.text))
             if alone is None:
                 raise KeyError("h_alone missing for a chunk: call prepare_draft() at ingestion")
             scores[seg.start:seg.end] = (h[:, seg.start:seg.end] - alone).norm(dim=-1).mean(0)
         return scores
 
-    def run(self, spec: MethodSpec, prompt: RAGPrompt, max_new_tokens: int, first_logits: bool = False):
+    def run(self, spec: MethodSpec, prompt: RAGPrompt, max_new_tokens: int, first_logits: bool = False,
+            stop: tuple[str, ...] = ()):
         """generate() with the method ``spec`` (greedy)."""
         self.variant = spec.family if spec.family in EXPERIMENTS else None
         try:
             return self.generate(prompt, max_new_tokens=max_new_tokens, reuse=spec.reuse_config(),
-                                 return_first_logits=first_logits)
+                                 stop=stop, return_first_logits=first_logits)
         finally:
             self.variant = None

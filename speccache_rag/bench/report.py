@@ -28,8 +28,7 @@ def _slug(*parts: str) -> str:
 
 
 def _pair_rows(rows: list[dict], kind: str, target: str, draft: str) -> list[dict]:
-    return [r for r in rows if r["kind"] == kind and r["target"] == target and r.get("draft") in (draft, None)
-            and (kind != "ttft" or r.get("draft") == draft)]
+    return [r for r in rows if r["kind"] == kind and r["target"] == target and r.get("draft") in (draft, None)]
 
 
 def _by_method(rows: list[dict], methods: list[str]) -> tuple[dict[str, list[dict]], list[str]]:
@@ -263,7 +262,8 @@ def write_report(out: str | Path) -> Path:
              f"({env['torch_threads']} threads), transformers {env['transformers']}, Python {env['python']}",
              f"- prompts: {'LongBench file ' + meta['longbench'] if meta.get('longbench') else 'synthetic'} — "
              f"{suite['n_per_task']} per task × {', '.join(suite['tasks'])}; {suite['n_chunks']} chunks × "
-             f"~{suite['chunk_tokens']} target tokens; greedy, {suite['max_new_tokens']} new tokens",
+             f"~{suite['chunk_tokens']} target tokens; greedy, {suite['max_new_tokens']} new tokens"
+             + (f", stopping at {' or '.join(repr(s) for s in suite['stop'])}" if suite.get("stop") else ""),
              f"- distractor prose: {PROSE_SOURCE} [{env['prose']}]",
              f"- TTFT: interleaved, {suite['ttft_warmup']} warm-up round + median of {suite['ttft_reps']} rounds per "
              f"prompt, ratio to full on the same prompt in the same process, geometric mean over prompts"

@@ -3,7 +3,8 @@
 Results are JSON lines in ``OUT/results.jsonl``, one per (kind, target, draft, example, method);
 a run with ``resume=True`` skips every row already there, so a long suite can run in parts.
 Draft-independent methods (full, reuse, epic, cacheblend, random, oracle) are recorded with
-``draft: null`` and shared by the pairs that have the same target.
+``draft: null`` and shared by the pairs that have the same target: one process runs all of a
+target's drafts on each prompt, against one full-prefill reference and in the same timing rounds.
 """
 from __future__ import annotations
 
@@ -123,83 +124,100 @@ def _quality_todo(suite: Suite, pair: tuple[str, str], ex: Example, methods: lis
     return todo, suite.agreement and ("agreement", target, draft, ex.id, None) not in done
 
 
-def _timing_todo(suite: Suite, pair: tuple[str, str], ex: Example, done: set) -> bool:
-    return not all(("ttft", *pair, ex.id, m) in done for m in suite.ttft_methods)
+def _timed_runs(suite: Suite, target: str, drafts: list[tuple], ex: Example) -> list[tuple]:
+    """(row key, method, draft entry or None) of every timed run of a prompt: draft-independent methods
+    once, the others once per draft."""
+    runs = []
+    for spec in map(parse_method, suite.ttft_methods):
+        for entry in (drafts if spec.uses_draft else [None]):
+            key = ("ttft", target, entry[0] if entry else None, ex.id, spec.name)
+            runs.append((key, spec, entry))
+    return runs
 
 
-def quality_example(engine: BenchEngine, suite: Suite, pair: tuple[str, str], ex: Example, methods: list[str],
-                    writer: _Writer) -> None:
-    target, draft = pair
-    todo, want_agree = _quality_todo(suite, pair, ex, methods, writer.done)
-    if not todo and not want_agree:
+def quality_example(engine: BenchEngine, suite: Suite, target: str, drafts: list[tuple], ex: Example,
+                    methods: list[str], writer: _Writer) -> None:
+    """Every method on one prompt, for each ``(name, model, tokenizer)`` draft of ``target``. One chunk
+    precompute and one full-prefill reference serve every draft; draft-independent methods run once."""
+    plans = [(draft, dmodel, dtok, *_quality_todo(suite, (target, draft), ex, methods, writer.done))
+             for draft, dmodel, dtok in drafts]
+    if not any(todo or want_agree for *_, todo, want_agree in plans):
         return
     prompt = RAGPrompt(chunks=ex.chunks, question=ex.question)
     tokens = render(prompt, engine.tokenizer)
     engine.precompute(ex.chunks)
-    fams = {s.family for s in todo}
-    if fams & {"static", "deviation"}:
-        engine.prepare_draft(ex.chunks, static="static" in fams, deviation="deviation" in fams)
     full_spec = parse_method("full")
     with engine.memoized():
         t = time.perf_counter()
-        ref = engine.run(full_spec, prompt, suite.max_new_tokens, first_logits=True)
+        ref = engine.run(full_spec, prompt, suite.max_new_tokens, first_logits=True, stop=suite.stop)
         ref_wall = time.perf_counter() - t
-        for spec in todo:
-            if spec.family == "full":
-                out, wall = ref, ref_wall
-            else:
-                t = time.perf_counter()
-                out = engine.run(spec, prompt, suite.max_new_tokens, first_logits=True)
-                wall = time.perf_counter() - t
-            scores = task_scores(out.text, ex.answers, ex.values)
-            row = _base("quality", suite, target, draft if spec.uses_draft else None, ex, spec)
-            row.update(
-                metric=ex.metric, score=scores.get(ex.metric, scores["f1"]), **scores,
-                **first_token_fidelity(ref.first_logits, out.first_logits),
-                cont_rougeL=rouge_l(out.text, ref.text) if ref.text.strip() else float(out.text == ref.text),
-                same_continuation=out.token_ids == ref.token_ids,
-                prediction=out.text, reference=ex.answers[0] if ex.answers else "",
-                recompute_frac=_recompute_frac(tokens, out.stats), stats=out.stats.to_dict(), wall_s=wall)
-            writer.write(row)
-        if want_agree:
-            from .agreement import agreement
+        for draft, dmodel, dtok, todo, want_agree in plans:
+            engine.use_draft(dmodel, dtok)
+            # a draft-independent row may have been written for an earlier draft of this prompt
+            todo = [s for s in todo if ("quality", target, draft if s.uses_draft else None, ex.id, s.name)
+                    not in writer.done]
+            fams = {s.family for s in todo}
+            if fams & {"static", "deviation"}:
+                engine.prepare_draft(ex.chunks, static="static" in fams, deviation="deviation" in fams)
+            for spec in todo:
+                if spec.family == "full":
+                    out, wall = ref, ref_wall
+                else:
+                    t = time.perf_counter()
+                    out = engine.run(spec, prompt, suite.max_new_tokens, first_logits=True, stop=suite.stop)
+                    wall = time.perf_counter() - t
+                scores = task_scores(out.text, ex.answers, ex.values)
+                row = _base("quality", suite, target, draft if spec.uses_draft else None, ex, spec)
+                row.update(
+                    metric=ex.metric, score=scores.get(ex.metric, scores["f1"]), **scores,
+                    **first_token_fidelity(ref.first_logits, out.first_logits),
+                    cont_rougeL=rouge_l(out.text, ref.text) if ref.text.strip() else float(out.text == ref.text),
+                    same_continuation=out.token_ids == ref.token_ids,
+                    prediction=out.text, reference=ex.answers[0] if ex.answers else "",
+                    recompute_frac=_recompute_frac(tokens, out.stats), stats=out.stats.to_dict(), wall_s=wall)
+                writer.write(row)
+            if want_agree:
+                from .agreement import agreement
 
-            dtokens = render(prompt, engine.draft_tokenizer)
-            row = _base("agreement", suite, target, draft, ex, None)
-            row["method"] = None
-            row.update(agreement(engine.capture(engine.target, tokens.ids), engine.target.config.num_hidden_layers,
-                                 tokens, engine.capture(engine.draft, dtokens.ids),
-                                 engine.draft.config.num_hidden_layers, dtokens, tokenizer=engine.tokenizer))
-            writer.write(row)
+                dtokens = render(prompt, dtok)
+                row = _base("agreement", suite, target, draft, ex, None)
+                row["method"] = None
+                row.update(agreement(engine.capture(engine.target, tokens.ids),
+                                     engine.target.config.num_hidden_layers, tokens, engine.capture(dmodel, dtokens.ids),
+                                     dmodel.config.num_hidden_layers, dtokens, tokenizer=engine.tokenizer))
+                writer.write(row)
     engine.forget_draft()
 
 
-def timing_example(engine: BenchEngine, suite: Suite, pair: tuple[str, str], ex: Example,
+def timing_example(engine: BenchEngine, suite: Suite, target: str, drafts: list[tuple], ex: Example,
                    writer: _Writer) -> None:
-    """TTFT of every timed method on one prompt: warm-up, then ``ttft_reps`` interleaved rounds
-    (the order rotates each round); ratios are to full's median on the same prompt, same process."""
-    target, draft = pair
-    specs = [parse_method(m) for m in suite.ttft_methods]
-    if not _timing_todo(suite, pair, ex, writer.done):
+    """TTFT of every timed method, for every draft, on one prompt: warm-up, then ``ttft_reps`` interleaved
+    rounds (the order rotates each round); ratios are to full's median on the same prompt, same process."""
+    runs = _timed_runs(suite, target, drafts, ex)
+    if all(key in writer.done for key, *_ in runs):
         return
     prompt = RAGPrompt(chunks=ex.chunks, question=ex.question)
     tokens = render(prompt, engine.tokenizer)
     engine.precompute(ex.chunks)
-    fams = {s.family for s in specs}
+    fams = {spec.family for _, spec, _ in runs}
     if fams & {"static", "deviation"}:
-        engine.prepare_draft(ex.chunks, static="static" in fams, deviation="deviation" in fams)
-    runs: dict[str, list] = {s.name: [] for s in specs}
+        for _, dmodel, dtok in drafts:
+            engine.use_draft(dmodel, dtok)
+            engine.prepare_draft(ex.chunks, static="static" in fams, deviation="deviation" in fams)
+    stats_of: dict[tuple, list] = {key: [] for key, *_ in runs}
     for rnd in range(suite.ttft_warmup + suite.ttft_reps):
-        shift = rnd % len(specs)
-        for spec in specs[shift:] + specs[:shift]:
+        shift = rnd % len(runs)
+        for key, spec, entry in runs[shift:] + runs[:shift]:
+            if entry is not None:
+                engine.use_draft(*entry[1:])
             out = engine.run(spec, prompt, max_new_tokens=1)
             if rnd >= suite.ttft_warmup:
-                runs[spec.name].append(out.stats)
-    full_med = median([s.ttft_s for s in runs["full"]])
-    for spec in specs:
-        stats = runs[spec.name]
+                stats_of[key].append(out.stats)
+    full_med = median([s.ttft_s for s in stats_of[("ttft", target, None, ex.id, "full")]])
+    for key, spec, _ in runs:
+        stats = stats_of[key]
         med = median([s.ttft_s for s in stats])
-        row = _base("ttft", suite, target, draft, ex, spec)
+        row = _base("ttft", suite, target, key[2], ex, spec)
         row.update(
             ttft_s=[s.ttft_s for s in stats], ttft_median_s=med, ratio_to_full=med / full_med,
             speedup=full_med / med, prompt_tokens=stats[0].prompt_tokens,
@@ -254,9 +272,11 @@ def run_suite(suite: Suite, out: str | Path, resume: bool = False, fresh: bool =
     done = {row_key(r) for r in read_rows(results)}
     writer = _Writer(results, done)
     models = _Models(loader)
+    drafts_of: dict[str, list[str]] = {}                   # pairs grouped by target, in suite order
+    for target, draft in suite.pairs:
+        drafts_of.setdefault(target, []).append(draft)
     try:
-        for target, draft in suite.pairs:
-            pair = (target, draft)
+        for target, draft_names in drafts_of.items():
             ttok = models.tokenizer(target)
             examples = _examples(suite, ttok, longbench)
             plan = [(ex, list(dict.fromkeys(list(suite.methods) + (list(suite.sweep_methods)
@@ -265,18 +285,19 @@ def run_suite(suite: Suite, out: str | Path, resume: bool = False, fresh: bool =
             timed = (_examples(suite, ttok, longbench, ttft=True)
                      if suite.ttft_methods and suite.ttft_examples and "ttft" in stages else [])
             timed = [ex for i, ex in enumerate(timed) if i % n_shard == k_shard]
-            if not any(any(_quality_todo(suite, pair, ex, ms, done)) for ex, ms in plan) and \
-                    not any(_timing_todo(suite, pair, ex, done) for ex in timed):
-                continue                                                  # resumed: nothing left for this pair
+            if not any(any(_quality_todo(suite, (target, d), ex, ms, done)) for ex, ms in plan for d in draft_names) \
+                    and not any(key not in done for ex in timed for key, *_ in _timed_runs(
+                        suite, target, [(d,) for d in draft_names], ex)):
+                continue                                                  # resumed: nothing left for this target
             tmodel, ttok = models.get(target)
-            dmodel, dtok = models.get(draft)
-            same = dmodel is tmodel
-            engine = BenchEngine(tmodel, ttok, store="memory://", draft=None if same else dmodel,
-                                 draft_tokenizer=None if same else dtok, name=target)
-            for ex, methods in tqdm(plan, desc=f"quality {target} ← {draft}", unit="prompt", disable=not progress):
-                quality_example(engine, suite, pair, ex, methods, writer)
-            for ex in tqdm(timed, desc=f"ttft {target} ← {draft}", unit="prompt", disable=not progress):
-                timing_example(engine, suite, pair, ex, writer)
+            drafts = [(d, *models.get(d)) for d in draft_names]
+            engine = BenchEngine(tmodel, ttok, store="memory://", name=target)
+            for ex, methods in tqdm(plan, desc=f"quality {target} ← {', '.join(draft_names)}", unit="prompt",
+                                    disable=not progress):
+                quality_example(engine, suite, target, drafts, ex, methods, writer)
+            for ex in tqdm(timed, desc=f"ttft {target} ← {', '.join(draft_names)}", unit="prompt",
+                           disable=not progress):
+                timing_example(engine, suite, target, drafts, ex, writer)
             engine.close()
     finally:
         writer.close()

@@ -39,6 +39,7 @@ class Suite:
     ttft_n_chunks: int | None = None             # None: time the quality prompts themselves
     ttft_chunk_tokens: int | None = None
     max_new_tokens: int = 24
+    stop: tuple[str, ...] = ()                   # greedy answers end at any of these (quality pass)
     seed: int = 0
     agreement: bool = True
     tasks: tuple[str, ...] = TASKS
@@ -89,13 +90,16 @@ SUITES: dict[str, Suite] = {
     "paper": Suite(
         name="paper",
         description="Qwen2.5-Coder-1.5B target with a same-family draft (Qwen2.5-Coder-0.5B) and a cross-family, "
-                    "cross-tokenizer draft (SmolLM2-135M): the goal methods (full, reuse, epic-k16, cacheblend@0.15, "
-                    "speccache@0.15) on 30 prompts per task of 4 chunks × 512 tokens (~2 k tokens); every other "
-                    "method and the r-sweep on the first 6 prompts; TTFT interleaved at 8 chunks × 512 tokens "
-                    "(~4 k tokens) on 3 prompts. Resumable: run it in parts with --resume.",
-        pairs=[(QWEN15, QWEN05), (QWEN15, SMOL)], n_per_task=30, n_chunks=4, chunk_tokens=512,
-        methods=list(PAPER_ALL), sweep_methods=list(dict.fromkeys(AT_015 + SWEEP)), sweep_examples=6,
-        ttft_examples=3, ttft_reps=5, ttft_n_chunks=8, ttft_chunk_tokens=512, max_new_tokens=16),
+                    "cross-tokenizer draft (SmolLM2-135M), both drafts on every prompt against one full-prefill "
+                    "reference: the goal methods (full, reuse, epic-k16, cacheblend@0.15, speccache@0.15) on 30 "
+                    "prompts per task of 4 chunks × 128 target tokens (~570 tokens); every other method and the "
+                    "r-sweep on the first 3 prompts (one per task); TTFT interleaved on 1 prompt of 8 chunks × 256 "
+                    "tokens (~2.1 k tokens). Sized by measurement on a 2-core CPU (see docs/benchmarks.md); "
+                    "resumable: run it in parts with --resume.",
+        pairs=[(QWEN15, QWEN05), (QWEN15, SMOL)], n_per_task=30, n_chunks=4, chunk_tokens=128,
+        methods=list(PAPER_ALL), sweep_methods=list(dict.fromkeys(AT_015 + SWEEP)), sweep_examples=3,
+        ttft_methods=["full", "reuse", "epic@0.15", "cacheblend@0.15", "speccache@0.15", "static@0.15"],
+        ttft_examples=1, ttft_reps=3, ttft_n_chunks=8, ttft_chunk_tokens=256, max_new_tokens=16, stop=("\n",)),
 }
 
 
