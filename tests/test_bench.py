@@ -166,5 +166,12 @@ def test_bench_quick_cli_writes_a_well_formed_report(tmp_path):
     # resuming a finished run does no work and keeps the rows
     assert main(["bench", "--suite", "quick", "--out", str(out), "--resume", "--no-progress"] + argv[5:]) == 0
     assert len((out / "results.jsonl").read_text().splitlines()) == len(rows)
+    parts = json.loads((out / "suite.json").read_text())["parts"]
+    assert len(parts) == 2 and "--resume" in parts[1]["command"] and "measured in 2 parts" in \
+        (out / "report.md").read_text()
+    # resuming with other prompts would mix rows of different prompts under one example id
+    changed = [a if a != "48" else "64" for a in argv[5:]]
+    assert main(["bench", "--suite", "quick", "--out", str(out), "--resume", "--no-progress"] + changed) == 2
+    assert len((out / "results.jsonl").read_text().splitlines()) == len(rows)
     # an existing results file is not overwritten by accident
     assert main(["bench", "--suite", "quick", "--out", str(out), "--no-progress"] + argv[5:]) == 2

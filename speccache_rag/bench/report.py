@@ -250,6 +250,14 @@ def _plots(out: Path, slug: str, summary: dict, sweep: dict, ttft: dict) -> list
     return files
 
 
+def _command_lines(meta: dict) -> list[str]:
+    """The command and date of every part the results were measured in (a resumed suite has several)."""
+    parts = meta.get("parts") or [{"command": meta["environment"]["command"], "date": meta["environment"]["date"]}]
+    if len(parts) == 1:
+        return [f"- command: `{parts[0]['command']}`", f"- date: {parts[0]['date']}"]
+    return [f"- measured in {len(parts)} parts:"] + [f"  - {p['date']}: `{p['command']}`" for p in parts]
+
+
 def write_report(out: str | Path) -> Path:
     """Build ``OUT/report.md`` (and PNGs beside it) from ``OUT/results.jsonl``; returns the report path."""
     out = Path(out)
@@ -257,7 +265,7 @@ def write_report(out: str | Path) -> Path:
     suite, env = meta["suite"], meta["environment"]
     rows = read_rows(out / RESULTS)
     lines = [f"# Benchmark report — suite `{suite['name']}`", "", suite["description"], "",
-             f"- command: `{env['command']}`", f"- date: {env['date']}",
+             *_command_lines(meta),
              f"- machine: {env['machine']}, {env['cpu_count']} CPUs ({env['processor']}), torch {env['torch']} "
              f"({env['torch_threads']} threads), transformers {env['transformers']}, Python {env['python']}",
              f"- prompts: {'LongBench file ' + meta['longbench'] if meta.get('longbench') else 'synthetic'} — "

@@ -243,6 +243,19 @@ def _examples(suite: Suite, tokenizer, longbench: str | None, ttft: bool = False
 
 
 STAGES = ("quality", "ttft")
+# What makes prompt i, its answers and its timings what they are: a resumed run must not change these,
+# or its rows would sit beside rows of other prompts under the same example id.
+SAME_ON_RESUME = ("n_chunks", "chunk_tokens", "seed", "max_new_tokens", "stop", "ttft_n_chunks", "ttft_chunk_tokens",
+                  "ttft_reps", "ttft_warmup")
+
+
+def _check_same_prompts(before: dict, now: dict, longbench_before: str | None, longbench_now: str | None) -> None:
+    changed = [k for k in SAME_ON_RESUME if json.loads(json.dumps(now.get(k))) != before.get(k)]
+    if longbench_before != longbench_now:
+        changed.append("longbench")
+    if changed:
+        raise ValueError("cannot resume: " + ", ".join(f"{k} was {before.get(k)!r}, now {now.get(k)!r}"
+                                                      for k in changed) + " — use another --out or --fresh")
 
 
 def run_suite(suite: Suite, out: str | Path, resume: bool = False, fresh: bool = False, progress: bool = True,
@@ -267,7 +280,15 @@ def run_suite(suite: Suite, out: str | Path, resume: bool = False, fresh: bool =
         raise ValueError(f"{results} already holds results: pass --resume to continue it or --fresh to start over")
     if fresh and results.exists():
         results.unlink()
-    meta = {"suite": asdict(suite), "environment": environment(), "longbench": longbench}
+    env = environment()
+    parts = []
+    if resume and results.exists() and (out / SUITE_FILE).exists():
+        before = json.loads((out / SUITE_FILE).read_text())
+        _check_same_prompts(before["suite"], asdict(suite), before.get("longbench"), longbench)
+        parts = before.get("parts", [])
+    parts.append({"command": env["command"], "date": env["date"], "stages": list(stages),
+                  "shard": f"{k_shard}/{n_shard}", "torch_threads": env["torch_threads"]})
+    meta = {"suite": asdict(suite), "environment": env, "longbench": longbench, "parts": parts}
     (out / SUITE_FILE).write_text(json.dumps(meta, indent=2))
     done = {row_key(r) for r in read_rows(results)}
     writer = _Writer(results, done)
