@@ -154,7 +154,17 @@ def _agreement_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _goals(summary: dict, ttft: dict) -> list[str]:
+def _paired(by: dict[str, list[dict]], a: str, b: str, key: str, lower_is_better: bool = False) -> tuple[int, int]:
+    """Prompts on which method a is better / worse than b by ``key`` (rows aligned by _by_method)."""
+    better = worse = 0
+    for ra, rb in zip(by.get(a, []), by.get(b, [])):
+        diff = (rb[key] - ra[key]) if lower_is_better else (ra[key] - rb[key])
+        better += diff > 0
+        worse += diff < 0
+    return better, worse
+
+
+def _goals(summary: dict, ttft: dict, by: dict[str, list[dict]]) -> list[str]:
     sc, cb, ep, full = (summary.get(m) for m in ("speccache@0.15", "cacheblend@0.15", "epic-k16", "full"))
     if not sc or not full:
         return []
@@ -171,9 +181,12 @@ def _goals(summary: dict, ttft: dict) -> list[str]:
             tasks = sorted(sc["per_task"])
             wins = [t for t in tasks if sc["per_task"][t] > other["per_task"].get(t, float("nan"))]
             ties = [t for t in tasks if sc["per_task"][t] == other["per_task"].get(t)]
+            s_up, s_down = _paired(by, "speccache@0.15", name, "score")
+            k_up, k_down = _paired(by, "speccache@0.15", name, "kl", lower_is_better=True)
             out.append(f"- vs {name}: speccache better on {len(wins)}/{len(tasks)} tasks"
                        f"{' (ties: ' + ', '.join(ties) + ')' if ties else ''}; KL {_fmt(sc['kl'], 4)} vs "
-                       f"{_fmt(other['kl'], 4)}, top-1 {_fmt(sc['top1'], 2)} vs {_fmt(other['top1'], 2)}.")
+                       f"{_fmt(other['kl'], 4)}, top-1 {_fmt(sc['top1'], 2)} vs {_fmt(other['top1'], 2)}. Paired by "
+                       f"prompt: higher task score on {s_up}, lower on {s_down}; lower KL on {k_up}, higher on {k_down}.")
     if "speccache@0.15" in ttft:
         sp = 1 / ttft["speccache@0.15"]["ratio"]
         out.append(f"- speccache@0.15 TTFT speedup vs full: {sp:.2f}× (goal ≥ 3.5× on the 1.5B target): "
@@ -305,7 +318,7 @@ def write_report(out: str | Path) -> Path:
             lines += [""]
         if agree:
             lines += [f"### Agreement analysis ({len(agree)} prompts)", ""] + _agreement_lines(agree) + [""]
-        goals = _goals(summary, ttft)
+        goals = _goals(summary, ttft, _by_method(q, suite["methods"])[0])
         if goals:
             lines += ["### Against the goals of issue 5", ""] + goals + [""]
         for f in _plots(out, slug, summary, sweep, ttft):
