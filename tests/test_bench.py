@@ -154,10 +154,12 @@ def test_bench_quick_cli_writes_a_well_formed_report(tmp_path):
     assert full_ttft["ratio_to_full"] == 1.0 and len(full_ttft["ttft_s"]) == 1
 
     md = (out / "report.md").read_text()
-    table = _table_rows(md, "| method | recomputed |")
+    table = _table_rows(md, "| method | recomputed | task score | F1 |")
     assert len(table) == 2 + 10
     assert all(line.count("|") == table[0].count("|") for line in table)
     assert "### Time to first token" in md and "### Agreement analysis" in md
+    both = _table_rows(md, "| method | recomputed | task score | aggregate |")       # one target, both drafts
+    assert len(both) == 2 + 6 + 2 * 4 and "| speccache@0.15 ← qwen2.5-coder-0.5b |" in "\n".join(both)
     pngs = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", md)
     assert len(pngs) == 2 * 3
     for name in pngs:

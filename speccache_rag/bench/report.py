@@ -271,6 +271,35 @@ def _command_lines(meta: dict) -> list[str]:
     return [f"- measured in {len(parts)} parts:"] + [f"  - {p['date']}: `{p['command']}`" for p in parts]
 
 
+def _target_table(rows: list[dict], target: str, drafts: list[str], suite: dict) -> list[str]:
+    """One table for a target scored by several drafts: draft-independent methods once, then each
+    draft method per draft, on the prompts they all have, with TTFT ratios from the same rounds."""
+    def label(r: dict) -> str:
+        return r["method"] if r.get("draft") is None else f"{r['method']} ← {r['draft']}"
+
+    methods = [m for m in suite["methods"] if not parse_method(m).uses_draft]
+    methods += [f"{m} ← {d}" for m in suite["methods"] if parse_method(m).uses_draft for d in drafts]
+    relabel = lambda kind: [{**r, "method": label(r)} for r in rows if r["kind"] == kind and r["target"] == target
+                            and r.get("draft") in (*drafts, None)]
+    summary, n = summarize(relabel("quality"), methods)
+    if not summary:
+        return []
+    ttft = ttft_summary(relabel("ttft"))
+    tasks = sorted({t for v in summary.values() for t in v["per_task"]})
+    kl_reuse = summary.get("reuse", {}).get("kl")
+    lines = [f"### All drafts of `{target}` ({n} prompts)", "",
+             "| method | recomputed | task score | " + " | ".join(tasks) + " | KL(full ‖ m) | KL gap closed | top-1 agree "
+             "| TTFT / full | speedup |", "|---|" + "---:|" * (len(tasks) + 7)]
+    for m in methods:
+        if m in summary:
+            q, ratio = summary[m], ttft.get(m, {}).get("ratio")
+            lines.append(f"| {m} | {_fmt(q['recompute_frac'], pct=True)} | {_fmt(q['score'])} | "
+                         + " | ".join(_fmt(q["per_task"].get(t)) for t in tasks)
+                         + f" | {_fmt(q['kl'], 4)} | {_fmt(1 - q['kl'] / kl_reuse if kl_reuse else None, pct=True)} | "
+                         f"{_fmt(q['top1'], 2)} | {_fmt(ratio)} | {_fmt(1 / ratio, 2) + '×' if ratio else '–'} |")
+    return lines + [""]
+
+
 def write_report(out: str | Path) -> Path:
     """Build ``OUT/report.md`` (and PNGs beside it) from ``OUT/results.jsonl``; returns the report path."""
     out = Path(out)
@@ -295,6 +324,12 @@ def write_report(out: str | Path) -> Path:
              "- task score: RULER string match (share of the reference values in the answer) for the synthetic "
              "tasks; word F1 (QA) or ROUGE-L (summaries) for LongBench files. Fidelity: first-token KL(full ‖ "
              "method), top-1 agreement, ROUGE-L of the greedy continuation against full's.", ""]
+    drafts_of: dict[str, list[str]] = defaultdict(list)
+    for target, draft in suite["pairs"]:
+        drafts_of[target].append(draft)
+    for target, drafts in drafts_of.items():
+        if len(drafts) > 1:
+            lines += _target_table(rows, target, drafts, suite)
     for target, draft in suite["pairs"]:
         pair = [target, draft]
         slug = _slug(suite["name"], target, draft)
