@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -318,6 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = os.environ.get("SPECCACHE_DEBUG", "") not in ("", "0")
     try:
         args = build_parser().parse_args(argv)
+        args.command = shlex.join(["speccache-rag", *(sys.argv[1:] if argv is None else argv)])
         _check_common(args)
         return args.func(args)
     except KeyboardInterrupt:

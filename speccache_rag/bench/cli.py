@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -82,7 +83,8 @@ def run_from_args(args: argparse.Namespace) -> int:
 
             torch.set_num_threads(args.threads)
         path = run_suite(suite, out, resume=args.resume, fresh=args.fresh, progress=not args.no_progress,
-                         longbench=args.longbench, stages=tuple(_csv(args.stages)), shard=_shard(args.shard))
+                         longbench=args.longbench, stages=tuple(_csv(args.stages)), shard=_shard(args.shard),
+                         command=getattr(args, "command", None))
     print(f"report: {path}")
     return 0
 
@@ -91,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="speccache-rag bench", description="Quality × time-to-first-token benchmarks.")
     add_arguments(p)
     args = p.parse_args(argv)
+    args.command = shlex.join(["speccache-rag", "bench", *(sys.argv[1:] if argv is None else argv)])
     try:
         return run_from_args(args)
     except ValueError as e:

@@ -12,6 +12,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -61,12 +62,12 @@ class _Writer:
         self.f.close()
 
 
-def environment() -> dict:
+def environment(command: str | None = None) -> dict:
     import transformers
 
     return {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "command": command or shlex.join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "machine": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
@@ -260,11 +261,12 @@ def _check_same_prompts(before: dict, now: dict, longbench_before: str | None, l
 
 def run_suite(suite: Suite, out: str | Path, resume: bool = False, fresh: bool = False, progress: bool = True,
               longbench: str | None = None, loader: Callable | None = None, report: bool = True,
-              stages: tuple[str, ...] = STAGES, shard: tuple[int, int] = (0, 1)) -> Path:
+              stages: tuple[str, ...] = STAGES, shard: tuple[int, int] = (0, 1), command: str | None = None) -> Path:
     """Run (or resume) ``suite`` into ``out``; returns the report's path (or the results' if report=False).
 
     ``stages``: "quality" (scores, fidelity, agreement) and/or "ttft" (interleaved timings).
-    ``shard=(k, n)``: only prompts whose index is k mod n (run n processes on one ``out`` to split a suite)."""
+    ``shard=(k, n)``: only prompts whose index is k mod n (run n processes on one ``out`` to split a suite).
+    ``command``: how this run was invoked, for suite.json (default: this process's argv)."""
     k_shard, n_shard = shard
     if not 0 <= k_shard < n_shard:
         raise ValueError(f"shard must be K/N with 0 <= K < N, got {k_shard}/{n_shard}")
@@ -280,7 +282,7 @@ def run_suite(suite: Suite, out: str | Path, resume: bool = False, fresh: bool =
         raise ValueError(f"{results} already holds results: pass --resume to continue it or --fresh to start over")
     if fresh and results.exists():
         results.unlink()
-    env = environment()
+    env = environment(command)
     parts = []
     if resume and results.exists() and (out / SUITE_FILE).exists():
         before = json.loads((out / SUITE_FILE).read_text())
