@@ -121,18 +121,22 @@ def _base(kind: str, suite: Suite, target: str, draft: str | None, ex: Example, 
 def _quality_todo(suite: Suite, pair: tuple[str, str], ex: Example, methods: list[str], done: set) -> tuple:
     target, draft = pair
     specs = [parse_method(m) for m in methods]
-    todo = [s for s in specs if ("quality", target, draft if s.uses_draft else None, ex.id, s.name) not in done]
+    todo = [s for s in specs if _quality_key(target, draft, ex, s) not in done]
     return todo, suite.agreement and ("agreement", target, draft, ex.id, None) not in done
 
 
-def _timed_runs(suite: Suite, target: str, drafts: list[tuple], ex: Example) -> list[tuple]:
-    """(row key, method, draft entry or None) of every timed run of a prompt: draft-independent methods
+def _quality_key(target: str, draft: str, ex: Example, spec: MethodSpec) -> tuple:
+    """The row key of a quality result: draft-independent methods are recorded once, with draft None."""
+    return ("quality", target, draft if spec.uses_draft else None, ex.id, spec.name)
+
+
+def _timed_runs(suite: Suite, target: str, drafts: list[str], ex: Example) -> list[tuple]:
+    """(row key, method, draft name or None) of every timed run of a prompt: draft-independent methods
     once, the others once per draft."""
     runs = []
     for spec in map(parse_method, suite.ttft_methods):
-        for entry in (drafts if spec.uses_draft else [None]):
-            key = ("ttft", target, entry[0] if entry else None, ex.id, spec.name)
-            runs.append((key, spec, entry))
+        for draft in (drafts if spec.uses_draft else [None]):
+            runs.append((("ttft", target, draft, ex.id, spec.name), spec, draft))
     return runs
 
 
@@ -155,8 +159,7 @@ def quality_example(engine: BenchEngine, suite: Suite, target: str, drafts: list
         for draft, dmodel, dtok, todo, want_agree in plans:
             engine.use_draft(dmodel, dtok)
             # a draft-independent row may have been written for an earlier draft of this prompt
-            todo = [s for s in todo if ("quality", target, draft if s.uses_draft else None, ex.id, s.name)
-                    not in writer.done]
+            todo = [s for s in todo if _quality_key(target, draft, ex, s) not in writer.done]
             fams = {s.family for s in todo}
             if fams & {"static", "deviation"}:
                 engine.prepare_draft(ex.chunks, static="static" in fams, deviation="deviation" in fams)
@@ -194,7 +197,8 @@ def timing_example(engine: BenchEngine, suite: Suite, target: str, drafts: list[
                    writer: _Writer) -> None:
     """TTFT of every timed method, for every draft, on one prompt: warm-up, then ``ttft_reps`` interleaved
     rounds (the order rotates each round); ratios are to full's median on the same prompt, same process."""
-    runs = _timed_runs(suite, target, drafts, ex)
+    runs = _timed_runs(suite, target, [d for d, *_ in drafts], ex)
+    draft_models = {d: (dmodel, dtok) for d, dmodel, dtok in drafts}
     if all(key in writer.done for key, *_ in runs):
         return
     prompt = RAGPrompt(chunks=ex.chunks, question=ex.question)
@@ -208,9 +212,9 @@ def timing_example(engine: BenchEngine, suite: Suite, target: str, drafts: list[
     stats_of: dict[tuple, list] = {key: [] for key, *_ in runs}
     for rnd in range(suite.ttft_warmup + suite.ttft_reps):
         shift = rnd % len(runs)
-        for key, spec, entry in runs[shift:] + runs[:shift]:
-            if entry is not None:
-                engine.use_draft(*entry[1:])
+        for key, spec, draft in runs[shift:] + runs[:shift]:
+            if draft is not None:
+                engine.use_draft(*draft_models[draft])
             out = engine.run(spec, prompt, max_new_tokens=1)
             if rnd >= suite.ttft_warmup:
                 stats_of[key].append(out.stats)
@@ -309,8 +313,8 @@ def run_suite(suite: Suite, out: str | Path, resume: bool = False, fresh: bool =
                      if suite.ttft_methods and suite.ttft_examples and "ttft" in stages else [])
             timed = [ex for i, ex in enumerate(timed) if i % n_shard == k_shard]
             if not any(any(_quality_todo(suite, (target, d), ex, ms, done)) for ex, ms in plan for d in draft_names) \
-                    and not any(key not in done for ex in timed for key, *_ in _timed_runs(
-                        suite, target, [(d,) for d in draft_names], ex)):
+                    and not any(key not in done for ex in timed
+                                for key, *_ in _timed_runs(suite, target, draft_names, ex)):
                 continue                                                  # resumed: nothing left for this target
             tmodel, ttok = models.get(target)
             drafts = [(d, *models.get(d)) for d in draft_names]
