@@ -18,6 +18,8 @@ from .chunking import (DEFAULT_CHUNK_TOKENS, MIN_CHUNK_TOKENS, Chunk, chunk_docu
 from .config import METHODS, GenerationConfig, ReuseConfig
 
 DEFAULT_TARGET = "smollm2-135m"
+# The demo pairs a target with a draft ~4x smaller, so that choosing tokens costs less than it saves.
+DEMO_TARGET, DEMO_DRAFT = "qwen2.5-coder-0.5b", "smollm2-135m"
 DEFAULT_STORE = os.path.join(".speccache", "kv")
 DEFAULT_TOP_K = 3
 DEMO_MAX_NEW_TOKENS = 32
@@ -53,20 +55,26 @@ def _check_common(args: argparse.Namespace) -> None:
         raise UsageError(f"--ratio must be within [0, 1], got {ratio:g}")
     if getattr(args, "max_new_tokens", 1) < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if getattr(args, "threads", None) is not None and args.threads < 1:
+        raise UsageError(f"--threads must be >= 1, got {args.threads}")
     if getattr(args, "top_k", 1) < 1:
         raise UsageError(f"--top-k must be >= 1, got {args.top_k}")
     if getattr(args, "chunk_tokens", DEFAULT_CHUNK_TOKENS) < MIN_CHUNK_TOKENS:
         raise UsageError(f"--chunk-tokens must be >= {MIN_CHUNK_TOKENS}, got {args.chunk_tokens}")
 
 
-def _engine(target: str, draft: str | None, store):
+def _engine(args: argparse.Namespace, draft: str | None, store):
     """Load the engine (models come from ``speccache_rag.models.load``)."""
+    import torch
+
     from .engine import SpecCacheEngine
 
     t = time.perf_counter()
-    engine = SpecCacheEngine.from_pretrained(target=target, draft=draft, store=store)
-    pair = target if draft in (None, target) else f"{target} (draft {draft})"
-    _err(f"loaded {pair} in {time.perf_counter() - t:.1f}s; store: {store}")
+    engine = SpecCacheEngine.from_pretrained(target=args.target, draft=draft, store=store, dtype=args.dtype,
+                                             threads=args.threads)
+    pair = args.target if draft in (None, args.target) else f"{args.target} (draft {draft})"
+    _err(f"loaded {pair} in {time.perf_counter() - t:.1f}s ({engine.dtype}, {torch.get_num_threads()} threads); "
+         f"store: {store}")
     return engine
 
 
@@ -131,7 +139,7 @@ def _matches(answer: str, expected: Sequence[str]) -> bool:
 # --------------------------------------------------------------------------------------------------
 def cmd_precompute(args: argparse.Namespace) -> int:
     load_documents(args.paths)  # fail on a missing path before loading the model
-    engine = _engine(args.target, None, args.store)
+    engine = _engine(args, None, args.store)
     try:
         chunks = _chunks(engine, args.paths, args.chunk_tokens)
         texts = [c.text for c in chunks]
@@ -151,7 +159,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     reuse = ReuseConfig(method=args.method, recompute_ratio=args.ratio)
     load_documents([args.docs])
     # only speccache runs the draft; don't load one for the other methods
-    engine = _engine(args.target, args.draft if args.method == "speccache" else None, args.store)
+    engine = _engine(args, args.draft if args.method == "speccache" else None, args.store)
     try:
         from .prompt import RAGPrompt
 
@@ -189,7 +197,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     with tempfile.TemporaryDirectory(prefix="speccache-demo-") as tmp:
         store = args.store or os.path.join(tmp, "kv")
-        engine = _engine(args.target, args.draft, store)
+        engine = _engine(args, args.draft, store)
         try:
             chunks = _chunks(engine, [demo_dir()], args.chunk_tokens)
             print(f"Demo: {len(chunks)} chunks of up to {args.chunk_tokens} tokens from the invented town of "
@@ -239,12 +247,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------------
 # parser and entry point
 # --------------------------------------------------------------------------------------------------
-def _add_model_args(p: argparse.ArgumentParser, draft: str | None) -> None:
-    p.add_argument("--target", default=DEFAULT_TARGET,
+def _add_model_args(p: argparse.ArgumentParser, draft: str | None, target: str = DEFAULT_TARGET) -> None:
+    p.add_argument("--target", default=target,
                    help="model that answers: a packaged name, an HF directory or a .gguf file "
                         "(default: %(default)s)")
     p.add_argument("--draft", default=draft,
                    help="model that scores which tokens to recompute (default: " + (draft or "the target") + ")")
+
+
+def _add_compute_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="compute dtype; auto = bfloat16 where the CPU/GPU computes it natively (default: auto)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch threads (default: $SPECCACHE_THREADS, $OMP_NUM_THREADS, or the usable cores)")
 
 
 def _add_chunk_args(p: argparse.ArgumentParser) -> None:
@@ -277,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="answer questions about the shipped documents, full prefill vs speccache",
                        description="Precompute the shipped demo documents, then answer each demo question with "
                                    "method 'full' and 'speccache', printing answers, TTFT and reuse statistics.")
-    _add_model_args(p, draft=DEFAULT_TARGET)
+    _add_model_args(p, draft=DEMO_DRAFT, target=DEMO_TARGET)
+    _add_compute_args(p)
     _add_store_arg(p, None, shown="a temporary directory")
     _add_answer_args(p, DEMO_MAX_NEW_TOKENS, "chunks per question")
     _add_chunk_args(p)
@@ -289,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", metavar="PATH", help="files or directories")
     _add_store_arg(p, DEFAULT_STORE)
     p.add_argument("--target", default=DEFAULT_TARGET, help="model whose KV is stored (default: %(default)s)")
+    _add_compute_args(p)
     _add_chunk_args(p)
     p.set_defaults(func=cmd_precompute)
 
@@ -299,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--docs", required=True, metavar="PATH", help="file or directory of .txt/.md documents")
     _add_store_arg(p, DEFAULT_STORE)
     _add_model_args(p, draft=None)
+    _add_compute_args(p)
     p.add_argument("--method", choices=METHODS, default=_DEFAULTS.method, help="(default: %(default)s)")
     _add_answer_args(p, GenerationConfig().max_new_tokens, "chunks in the prompt")
     p.add_argument("--stream", action="store_true", help="print the answer as it is generated")

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .config import GenerationConfig, ReuseConfig
+from .hardware import configure_threads, dtype_name, resolve_dtype
 from .kv import ChunkKV, chunk_key, model_fingerprint
 from .prompt import RAGPrompt, TokenizedPrompt, render, tokenize_piece
 from .rope import rotate_keys
@@ -22,6 +23,7 @@ from .store import KVStore, open_store
 class GenerationStats:
     method: str
     prompt_tokens: int
+    dtype: str = ""                 # the target's compute dtype
     reused_tokens: int = 0
     recomputed_tokens: int = 0
     cache_hits: int = 0
@@ -31,6 +33,7 @@ class GenerationStats:
     total_s: float = 0.0
     load_s: float = 0.0             # store reads + key rotation
     draft_s: float = 0.0            # choosing what to recompute (draft prefill for speccache)
+    draft_forward_s: float = 0.0    # of which the draft model's forward pass
     recompute_s: float = 0.0        # target prefill of the recomputed tokens
     first_decode_s: float = 0.0     # logits → first token
 
@@ -69,15 +72,21 @@ class SpecCacheEngine:
         self.name = name or getattr(target.config, "_name_or_path", "") or target.config.model_type
         self.fingerprint = model_fingerprint(target, tokenizer, sink)
         self.context_window = target.config.max_position_embeddings
+        self.dtype = dtype_name(next(target.parameters()).dtype)
         self._sink_ids = self._sink_token_ids()
         self._eos_ids = self._eos_token_ids()
         self.last_output: GenerationOutput | None = None
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, store: KVStore | str = "./.speccache/kv",
-                        backend: str = "torch", dtype: torch.dtype = torch.float32, **kwargs) -> "SpecCacheEngine":
+                        backend: str = "torch", dtype: torch.dtype | str = "auto", threads: int | None = None,
+                        **kwargs) -> "SpecCacheEngine":
         """target/draft: a packaged name ("smollm2-135m", "qwen2.5-coder-0.5b", …), an HF directory or a .gguf
-        file; draft=None scores with the target itself. store: a directory, "memory://" or "redis://…"."""
+        file; draft=None scores with the target itself. store: a directory, "memory://" or "redis://…".
+        dtype: "auto" (bfloat16 where the hardware computes it natively, else float32), or a dtype.
+        threads: torch intra-op threads (default: $SPECCACHE_THREADS, $OMP_NUM_THREADS, or the usable cores)."""
+        configure_threads(threads)
+        dtype = resolve_dtype(dtype)
         if backend == "vllm":
             from .vllm.engine import VllmSpecCacheEngine  # lazy: vllm is an optional extra
 
@@ -138,7 +147,7 @@ class SpecCacheEngine:
         if len(tokens) + gen.max_new_tokens > self.context_window:
             raise ValueError(f"prompt of {len(tokens)} tokens + max_new_tokens={gen.max_new_tokens} exceeds the "
                              f"context window of {self.context_window} tokens; retrieve fewer or shorter chunks")
-        stats = GenerationStats(method=reuse.method, prompt_tokens=len(tokens))
+        stats = GenerationStats(method=reuse.method, prompt_tokens=len(tokens), dtype=self.dtype)
         cache = KVCache.empty(self.target, len(tokens) + gen.max_new_tokens)
         first_logits, missed = self._prefill(prompt, tokens, cache, reuse, stats)
 
@@ -202,6 +211,7 @@ class SpecCacheEngine:
         else:
             chosen = self._select(sel, prompt)
             stats.draft_s = time.perf_counter() - t
+            stats.draft_forward_s = sel.timings.get("draft_forward_s", 0.0)
             t = time.perf_counter()
             recomputed = torch.cat([chosen, always]).unique()
             logits = prefill(self.target, cache, tokens.ids[recomputed], recomputed)

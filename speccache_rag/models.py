@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from .hardware import resolve_dtype
+
 __all__ = [
     "PACKAGED",
     "PackagedModel",
@@ -594,17 +596,6 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
 # --------------------------------------------------------------------------------------------------
 # loading
 # --------------------------------------------------------------------------------------------------
-def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-             "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-    try:
-        return table[str(dtype).removeprefix("torch.")]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(table)}") from None
-
-
 def _prepare_tokenizer(tokenizer, where: str):
     if not getattr(tokenizer, "is_fast", False):
         raise RuntimeError(
@@ -624,9 +615,12 @@ def load_tokenizer(name_or_path: str | os.PathLike):
     return _prepare_tokenizer(AutoTokenizer.from_pretrained(str(path)), os.fspath(name_or_path))
 
 
-def load(name_or_path: str | os.PathLike, dtype: torch.dtype | str = torch.float32,
+def load(name_or_path: str | os.PathLike, dtype: torch.dtype | str = "auto",
          device: str | torch.device | None = None):
     """``(model, tokenizer)`` for a packaged name, HF directory or ``.gguf`` file; model in eval mode.
+
+    ``dtype="auto"`` computes in bfloat16 where the hardware does so natively, else float32
+    (``speccache_rag.hardware.resolve_dtype``).
 
     Only the architectures the runner supports (``llama``, ``qwen2``) are accepted.  Nothing is
     cached in-process: the caller owns the model's lifetime.
@@ -640,7 +634,7 @@ def load(name_or_path: str | os.PathLike, dtype: torch.dtype | str = torch.float
             f"{os.fspath(name_or_path)!r} is a {config.model_type!r} model; the speccache-rag runner "
             f"supports only {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_as_dtype(dtype))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype, device or "cpu"))
     if device is not None:
         model = model.to(device)
     model.eval()

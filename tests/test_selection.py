@@ -5,7 +5,7 @@ from speccache_rag import RAGPrompt, ReuseConfig
 from speccache_rag.models import load_tokenizer
 from speccache_rag.prompt import render
 from speccache_rag.selection import Selection, budget_for, epic_select, random_select, top_positions
-from speccache_rag.selection.speculative import expand, map_to_target, smooth_spans
+from speccache_rag.selection.speculative import expand, map_to_target, select_by_draft_scores, span_ids
 
 CHUNKS = [
     "Kettlewright Quorvane measured 3.75 kilograms; its hallmark reads QX-17/β and was stamped in Vessendorf.",
@@ -37,19 +37,23 @@ def test_top_positions_picks_best_candidates_sorted():
     assert top_positions(scores, torch.tensor([1, 2, 3, 4, 5]), 2).tolist() == [3, 5]
 
 
-def test_smooth_spans_cut_at_jumps_and_cap():
+def test_spans_cut_at_jumps_chunk_starts_and_cap():
     scores = torch.tensor([1.0, 1.1, 1.2, 3.0, 3.1, 1.0] + [1.0] * 5)
-    assert smooth_spans(scores, 0, 6, tau_smooth=0.4, max_span=16) == [range(0, 3), range(3, 5), range(5, 6)]
-    assert smooth_spans(scores, 5, 11, tau_smooth=0.4, max_span=2) == [range(5, 7), range(7, 9), range(9, 11)]
+    cand = torch.arange(11)
+    starts = torch.zeros(11, dtype=torch.bool)
+    starts[[0, 8]] = True                                     # two chunks: [0, 8) and [8, 11)
+    assert span_ids(scores, cand, starts, tau_smooth=0.4, max_span=16).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert span_ids(scores, cand, starts, tau_smooth=0.4, max_span=2).tolist() == [0, 0, 1, 2, 2, 3, 3, 4, 5, 5, 6]
 
 
 def test_expand_completes_mostly_selected_spans_first():
     scores = torch.tensor([5.0, 4.9, 1.0, 4.8, 0.5, 0.4, 0.3])
-    spans = [range(0, 4), range(4, 7)]                       # 3 of 4 of the first span are in the top 3
-    order = expand(scores, torch.arange(7), spans, k=3, tau_cover=0.7)
+    spans = torch.tensor([0, 0, 0, 0, 1, 1, 1])             # 3 of 4 of the first span are in the top 3
+    order = expand(scores, spans, k=3, tau_cover=0.7).tolist()
     assert order[:3] == [0, 1, 3]
     assert order[3] == 2                                     # completion outranks the higher-scored rest
     assert sorted(order) == list(range(7))
+    assert expand(scores, None, k=3, tau_cover=0.7).tolist() == [0, 1, 3, 2, 4, 5, 6]
 
 
 def _selection(tokens, ratio, **kw):
@@ -105,15 +109,18 @@ def test_cross_tokenizer_mapping_by_character_offsets(two_tokenizers):
     t_chunks = {s.chunk: s for s in target.chunk_segments()}
     # the two tokenizers really cut these chunks differently
     assert any(len(d_chunks[c].offsets) != len(t_chunks[c].offsets) for c in d_chunks)
-    mapping = map_to_target(draft, target)
+    pd, pt = map_to_target(draft, target)
+    mapping: dict[int, list[int]] = {}
+    for d, t in zip(pd.tolist(), pt.tolist()):
+        mapping.setdefault(d, []).append(t)
     covered = set()
     for c, ds in d_chunks.items():
         ts = t_chunks[c]
         for j, (a, b) in enumerate(ds.offsets):
-            for t in mapping[ds.start + j]:
+            for t in mapping.get(ds.start + j, []):
                 ta, tb = ts.offsets[t - ts.start]
                 assert ts.start <= t < ts.end and ta < b and a < tb      # same chunk, overlapping characters
-            covered.update(mapping[ds.start + j])
+            covered.update(mapping.get(ds.start + j, []))
     every_target_chunk_token = {p for s in t_chunks.values() for p in range(s.start, s.end)}
     assert covered == every_target_chunk_token
     # a word cut differently maps onto exactly the target tokens that spell it
@@ -122,4 +129,24 @@ def test_cross_tokenizer_mapping_by_character_offsets(two_tokenizers):
     at = CHUNKS[1].index(word)
     d_pos = [ds.start + j for j, (a, b) in enumerate(ds.offsets) if a < at + len(word) and at < b]
     t_pos = {ts.start + j for j, (a, b) in enumerate(ts.offsets) if a < at + len(word) and at < b}
-    assert {t for d in d_pos for t in mapping[d]} == t_pos
+    assert {t for d in d_pos for t in mapping.get(d, [])} == t_pos
+
+
+def test_draft_selection_follows_scores_within_budget(two_tokenizers):
+    """The best-scored draft word lands in the target selection; the budget is exact; only reused tokens."""
+    smol, qwen = two_tokenizers
+    prompt = RAGPrompt(chunks=CHUNKS, question="What?")
+    draft, target = render(prompt, smol), render(prompt, qwen)
+    sel = _selection(target, 0.1)
+    sel.reusable[target.chunk_segments()[2].start:target.chunk_segments()[2].end] = False   # chunk 2 missed
+    sel.budget = budget_for(0.1, int(sel.reusable.sum()))
+    ds, ts = draft.chunk_segments()[1], target.chunk_segments()[1]
+    word = CHUNKS[1].index("Brückner")
+    scores = torch.ones(len(draft))
+    hot = [ds.start + j for j, (a, b) in enumerate(ds.offsets) if a < word + 8 and word < b]
+    scores[hot] = 10.0
+    scores[draft.chunk_segments()[2].start:draft.chunk_segments()[2].end] = 100.0        # a missed chunk never wins
+    chosen = select_by_draft_scores(sel, draft, scores)
+    assert chosen.numel() == sel.budget and sel.reusable[chosen].all()
+    spelled = {ts.start + j for j, (a, b) in enumerate(ts.offsets) if a < word + 8 and word < b}
+    assert spelled <= set(chosen.tolist())

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +17,7 @@ class Selection:
     reusable: torch.Tensor          # bool [N]: KV loaded from the store
     budget: int                     # how many reusable positions may be recomputed
     config: ReuseConfig
+    timings: dict[str, float] = field(default_factory=dict)   # filled by selectors, e.g. draft_forward_s
 
     @property
     def reusable_positions(self) -> torch.Tensor:

@@ -1,9 +1,13 @@
 """SpecCache selection: the paper's three steps — score with the draft, expand to spans, map to the target.
 
 The draft reads the prompt through its own chat template and tokenizer; tokens meet the target's
-by character offsets inside the chunk text they both contain, so any tokenizer pair works.
+by character offsets inside the chunk text they both contain, so any tokenizer pair works. Steps 2
+and 3 are tensor operations over all chunk tokens at once: at a few thousand tokens they cost
+milliseconds, next to the draft's forward pass.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -16,58 +20,81 @@ def score(draft, draft_tokens: TokenizedPrompt, fraction: float) -> torch.Tensor
     """Step 1: importance of every draft token = mean deep-layer residual norm (pre-final-norm) → [Nd]."""
     capture: dict[int, torch.Tensor] = {}
     full_prefill(draft, draft_tokens.ids, capture=capture)
-    return deep_layer_norms(capture, draft.config.num_hidden_layers, fraction)
+    return deep_layer_norms(capture, draft.config.num_hidden_layers, fraction).float()
 
 
-def smooth_spans(scores: torch.Tensor, start: int, end: int, tau_smooth: float, max_span: int) -> list[range]:
-    """Cut [start, end) where the score jumps by more than tau_smooth (relative) or a span hits max_span."""
-    spans, begin = [], start
-    for i in range(start + 1, end):
-        prev = float(scores[i - 1])
-        jump = abs(float(scores[i]) - prev) / max(abs(prev), 1e-6)
-        if jump > tau_smooth or i - begin >= max_span:
-            spans.append(range(begin, i))
-            begin = i
-    if begin < end:
-        spans.append(range(begin, end))
-    return spans
+def span_ids(scores: torch.Tensor, candidates: torch.Tensor, chunk_start: torch.Tensor, tau_smooth: float,
+             max_span: int) -> torch.Tensor:
+    """Label each candidate with its span: a span is cut at every chunk start, wherever the score jumps by
+    more than ``tau_smooth`` relative to the previous token, and every ``max_span`` tokens.
+
+    scores: [Nd]; candidates: draft positions [C] (chunks in order); chunk_start: bool [C] → span id [C].
+    """
+    s = scores[candidates]
+    prev = scores[(candidates - 1).clamp_min(0)]
+    cut = chunk_start | ((s - prev).abs() / prev.abs().clamp_min(1e-6) > tau_smooth)
+    idx = torch.arange(candidates.numel())
+    first = idx[cut]                                                          # start of each smooth run
+    offset = idx - first[cut.long().cumsum(0) - 1]                            # index within its run
+    return (cut | (offset % max_span == 0)).long().cumsum(0) - 1
 
 
-def expand(scores: torch.Tensor, candidates: torch.Tensor, spans: list[range], k: int, tau_cover: float) -> list[int]:
-    """Step 2: priority order of draft tokens — the top k, then the rest of every span already
-    ≥ tau_cover selected (best spans first), then the remaining candidates by score."""
-    order = candidates[scores[candidates].argsort(descending=True)].tolist()
-    top = set(order[:k])
-    completions = []
-    for span in spans:
-        covered = sum(i in top for i in span)
-        if covered < len(span) and covered >= tau_cover * len(span):
-            completions.append((float(scores[list(span)].mean()), [i for i in span if i not in top]))
-    completions.sort(key=lambda c: -c[0])
-    added = [i for _, rest in completions for i in rest]
-    seen = top | set(added)
-    return order[:k] + added + [i for i in order[k:] if i not in seen]
+def expand(scores: torch.Tensor, spans: torch.Tensor | None, k: int, tau_cover: float) -> torch.Tensor:
+    """Step 2: priority order (indices into the candidates) — the top k, then the rest of every span already
+    ≥ tau_cover selected (best span mean first), then the remaining candidates by score.
+
+    scores: [C] candidate scores; spans: span id [C] or None (no span completion)."""
+    order = scores.argsort(descending=True, stable=True)
+    if spans is None:
+        return order
+    top = torch.zeros_like(scores, dtype=torch.bool)
+    top[order[:k]] = True
+    length = torch.bincount(spans).float()
+    covered = torch.bincount(spans, weights=top.float(), minlength=length.numel())
+    mean = torch.bincount(spans, weights=scores.float(), minlength=length.numel()) / length
+    complete = (covered < length) & (covered >= tau_cover * length)
+    add = complete[spans] & ~top
+    added = add.nonzero().flatten()
+    added = added[(-mean[spans[added]]).argsort(stable=True)]                # best spans first, in position order
+    rest = order[k:]
+    return torch.cat([order[:k], added, rest[~add[rest]]])
 
 
-def map_to_target(draft_tokens: TokenizedPrompt, target_tokens: TokenizedPrompt) -> dict[int, list[int]]:
-    """Step 3: draft position → target positions whose characters overlap it, chunk by chunk."""
+def _offsets(seg) -> torch.Tensor:
+    return torch.tensor(seg.offsets, dtype=torch.long).reshape(-1, 2)
+
+
+def map_to_target(draft_tokens: TokenizedPrompt, target_tokens: TokenizedPrompt) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 3: every (draft position, target position) pair whose characters overlap, chunk by chunk.
+
+    → (draft positions [P], target positions [P]), grouped by draft position in increasing order."""
     target_chunks = {s.chunk: s for s in target_tokens.chunk_segments()}
-    mapping: dict[int, list[int]] = {}
+    pairs_d, pairs_t = [], []
     for ds in draft_tokens.chunk_segments():
         ts = target_chunks[ds.chunk]
-        owner = [-1] * (len(ts.text) + 1)                                    # char → target position
-        for j, (a, b) in enumerate(ts.offsets):
-            for ch in range(a, b):
-                owner[ch] = ts.start + j
-        for j, (a, b) in enumerate(ds.offsets):
-            hits = {owner[ch] for ch in range(a, b)} - {-1}
-            mapping[ds.start + j] = sorted(hits)
-    return mapping
+        d, t = _offsets(ds), _offsets(ts)                                     # [Dn, 2], [Tn, 2] char spans
+        # Target spans are in text order, so the ones overlapping [a, b) form a run: from the first whose
+        # end passes a to the last whose start precedes b. The exact overlap test below drops any stray.
+        lo = torch.searchsorted(t[:, 1].cummax(0).values.contiguous(), d[:, 0].contiguous(), right=True)
+        hi = torch.searchsorted(t[:, 0].cummax(0).values.contiguous(), d[:, 1].contiguous(), right=False)
+        count = (hi - lo).clamp_min(0) * (d[:, 0] < d[:, 1])
+        dj = torch.repeat_interleave(torch.arange(d.shape[0]), count)
+        starts = torch.repeat_interleave(lo, count)
+        tj = starts + torch.arange(dj.numel()) - torch.repeat_interleave(count.cumsum(0) - count, count)
+        ok = (t[tj, 0] < d[dj, 1]) & (d[dj, 0] < t[tj, 1]) & (t[tj, 0] < t[tj, 1])
+        pairs_d.append(dj[ok] + ds.start)
+        pairs_t.append(tj[ok] + ts.start)
+    if not pairs_d:
+        return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
+    return torch.cat(pairs_d), torch.cat(pairs_t)
 
 
 def speculative_select(sel: Selection, prompt: RAGPrompt, draft, draft_tokenizer) -> torch.Tensor:
     draft_tokens = render(prompt, draft_tokenizer)
-    return select_by_draft_scores(sel, draft_tokens, score(draft, draft_tokens, sel.config.draft_layers))
+    t = time.perf_counter()
+    scores = score(draft, draft_tokens, sel.config.draft_layers)
+    sel.timings["draft_forward_s"] = time.perf_counter() - t
+    return select_by_draft_scores(sel, draft_tokens, scores)
 
 
 def select_by_draft_scores(sel: Selection, draft_tokens: TokenizedPrompt, scores: torch.Tensor) -> torch.Tensor:
@@ -75,26 +102,30 @@ def select_by_draft_scores(sel: Selection, draft_tokens: TokenizedPrompt, scores
     cfg = sel.config
     # Only draft tokens of chunks whose KV the target reuses compete for the budget.
     reused = {t.chunk for t in sel.tokens.chunk_segments() if sel.reusable[t.start]}
-    segs = [s for s in draft_tokens.chunk_segments() if s.chunk in reused]
+    segs = [s for s in draft_tokens.chunk_segments() if s.chunk in reused and s.end > s.start]
     if not segs or sel.budget == 0:
         return torch.empty(0, dtype=torch.long)
-    candidates = torch.cat([torch.arange(s.start, s.end) for s in segs])
-    spans = []
-    if cfg.span_rule == "smooth":
-        for s in segs:
-            spans += smooth_spans(scores, s.start, s.end, cfg.tau_smooth, cfg.max_span)
-    priority = expand(scores, candidates, spans, budget_for(cfg.recompute_ratio, candidates.numel()), cfg.tau_cover)
-    mapping = map_to_target(draft_tokens, sel.tokens)
-    chosen: dict[int, None] = {}                                             # ordered set
-    for d in priority:
-        for t in mapping[d]:
-            if len(chosen) < sel.budget and sel.reusable[t]:
-                chosen[t] = None
-        if len(chosen) >= sel.budget:
-            break
-    # Target tokens no draft token overlaps (rare: offset gaps) still count toward a full budget.
-    for t in sel.reusable_positions.tolist():
-        if len(chosen) >= sel.budget:
-            break
-        chosen.setdefault(t, None)
-    return torch.tensor(sorted(chosen), dtype=torch.long)
+    candidates = torch.cat([torch.arange(s.start, s.end) for s in segs])                # [C] draft positions
+    chunk_start = torch.zeros(candidates.numel(), dtype=torch.bool)
+    chunk_start[torch.tensor([0] + [s.end - s.start for s in segs[:-1]]).cumsum(0)] = True
+    spans = (span_ids(scores, candidates, chunk_start, cfg.tau_smooth, cfg.max_span)
+             if cfg.span_rule == "smooth" else None)
+    k = budget_for(cfg.recompute_ratio, candidates.numel())
+    priority = candidates[expand(scores[candidates], spans, k, cfg.tau_cover)]        # draft positions, best first
+
+    # Walk the priority order through the draft→target pairs; a target position counts at its first pair.
+    pd, pt = map_to_target(draft_tokens, sel.tokens)
+    keep = sel.reusable[pt]
+    pd, pt = pd[keep], pt[keep]
+    rank_of_draft = torch.full((len(draft_tokens),), priority.numel(), dtype=torch.long)
+    rank_of_draft[priority] = torch.arange(priority.numel())
+    n = len(sel.tokens)
+    first = torch.full((n,), priority.numel(), dtype=torch.long).scatter_reduce(0, pt, rank_of_draft[pd], "amin")
+    ranked = (first < priority.numel()).nonzero().flatten()
+    chosen = ranked[first[ranked].argsort(stable=True)][: sel.budget]
+    if chosen.numel() < sel.budget:
+        # Target tokens no draft token overlaps (rare: offset gaps) still count toward a full budget.
+        rest = sel.reusable.clone()
+        rest[chosen] = False
+        chosen = torch.cat([chosen, rest.nonzero().flatten()[: sel.budget - chosen.numel()]])
+    return chosen.sort().values

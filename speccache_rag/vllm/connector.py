@@ -45,10 +45,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from ..config import ReuseConfig
+from ..hardware import dtype_name
 from ..prompt import RAGPrompt
 from . import PARAMS_KEY
 from .blend import VLLM_METHODS, Blender, Unsupported, check_model, slot_mapping
-from .lookup import ChunkIndex, dtype_name, fingerprint_for, shared_store, sink_token_ids
+from .lookup import ChunkIndex, fingerprint_for, shared_store, sink_token_ids
 from .plugin import ARCHITECTURES
 
 if TYPE_CHECKING:

@@ -22,11 +22,12 @@ import torch
 
 from ..config import GenerationConfig, ReuseConfig
 from ..engine import GenerationOutput, GenerationStats
+from ..hardware import dtype_name
 from ..kv import chunk_key
 from ..prompt import RAGPrompt, render, tokenize_piece
 from ..store import KVStore
 from . import PARAMS_KEY, kv_transfer_config, require_vllm
-from .lookup import dtype_name, fingerprint_for, shared_store, sink_token_ids
+from .lookup import fingerprint_for, shared_store, sink_token_ids
 
 _STAT_FIELDS = ("reused_tokens", "recomputed_tokens", "cache_hits", "cache_misses", "load_s", "draft_s", "recompute_s")
 
@@ -52,7 +53,7 @@ class VllmSpecCacheEngine:
     backend = "vllm"
 
     def __init__(self, target: str, draft: str | None = None, store: KVStore | str = "./.speccache/kv",
-                 dtype: torch.dtype | str = torch.float32, sink: str = "bos", fill_misses: bool = True,
+                 dtype: torch.dtype | str = "auto", sink: str = "bos", fill_misses: bool = True,
                  method: str = "speccache", recompute_ratio: float = 0.15, max_model_len: int | None = None,
                  kv_cache_gib: int | None = None, enforce_eager: bool = True, name: str | None = None,
                  connector_options: dict | None = None, **engine_kwargs):
@@ -237,7 +238,7 @@ class VllmSpecCacheEngine:
         out = p.output
         o = out.outputs[0]
         stats = GenerationStats(method=p.method, prompt_tokens=p.prompt_tokens, generated_tokens=len(o.token_ids),
-                                ttft_s=p.ttft_s or 0.0, total_s=p.total_s)
+                                ttft_s=p.ttft_s or 0.0, total_s=p.total_s, dtype=self.dtype)
         report = pop_report(p.tag) or ((out.kv_transfer_params or {}).get(PARAMS_KEY) if out.kv_transfer_params else None)
         if report:
             for name in _STAT_FIELDS:

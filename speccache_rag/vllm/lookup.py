@@ -61,10 +61,6 @@ def fingerprint_for(model_dir: str, dtype: str, sink: str) -> str:
     return fp
 
 
-def dtype_name(dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def sink_token_ids(tokenizer, sink: str) -> list[int]:
     """The tokens a chunk is prefilled after when its KV is computed (the torch engine's definition)."""
     from ..engine import SpecCacheEngine

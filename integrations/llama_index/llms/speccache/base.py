@@ -76,6 +76,8 @@ class SpecCacheLLM(LLM):
     store: Any = Field(default="./.speccache/kv",
                        description="KV store: a directory, 'memory://', 'redis://host:port/db' or a KVStore.")
     backend: str = Field(default="torch", description="Engine backend: 'torch' or 'vllm'.")
+    dtype: str = Field(default="auto", description="Compute dtype: auto (bfloat16 where the hardware computes it "
+                       "natively, else float32), bfloat16 or float32.")
     max_new_tokens: int = Field(default=64, gt=0, description="Tokens to generate at most.")
     method: str = Field(default="speccache", description="Reuse method: speccache, cacheblend, epic, reuse, full …")
     recompute_ratio: float = Field(default=0.15, ge=0.0, le=1.0,
@@ -119,7 +121,7 @@ class SpecCacheLLM(LLM):
         with self._engine_lock:
             if self._engine is None:
                 self._engine = SpecCacheEngine.from_pretrained(self.target, draft=self.draft, store=self.store,
-                                                               backend=self.backend)
+                                                               backend=self.backend, dtype=self.dtype)
             return self._engine
 
     @property
