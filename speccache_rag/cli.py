@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from .chunking import (DEFAULT_CHUNK_TOKENS, MIN_CHUNK_TOKENS, Chunk, chunk_documents, load_documents, rank_chunks,
                        token_counter)
-from .config import METHODS, GenerationConfig, ReuseConfig
+from .config import DRAFT_METHODS, METHODS, GenerationConfig, ReuseConfig
 
 DEFAULT_TARGET = "smollm2-135m"
 # The demo pairs a target with a draft ~4x smaller, so that choosing tokens costs less than it saves.
@@ -158,8 +158,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
         raise UsageError("the question is empty")
     reuse = ReuseConfig(method=args.method, recompute_ratio=args.ratio)
     load_documents([args.docs])
-    # only speccache runs the draft; don't load one for the other methods
-    engine = _engine(args, args.draft if args.method == "speccache" else None, args.store)
+    # only the draft-scored methods run the draft; don't load one for the others
+    engine = _engine(args, args.draft if args.method in DRAFT_METHODS else None, args.store)
     try:
         from .prompt import RAGPrompt
 
@@ -197,22 +197,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     with tempfile.TemporaryDirectory(prefix="speccache-demo-") as tmp:
         store = args.store or os.path.join(tmp, "kv")
-        engine = _engine(args, args.draft, store)
+        engine = _engine(args, args.draft if args.method in DRAFT_METHODS else None, store)
         try:
             chunks = _chunks(engine, [demo_dir()], args.chunk_tokens)
             print(f"Demo: {len(chunks)} chunks of up to {args.chunk_tokens} tokens from the invented town of "
                   f"Brennock Harbour ({demo_dir()})")
             new = _precompute(engine, [c.text for c in chunks])
             print(f"precomputed: {new} new KV entries, {len(chunks) - new} already stored")
-            if args.draft in (None, args.target):
+            if args.method in DRAFT_METHODS and args.draft in (None, args.target):
                 print("note: the draft is the target itself, so choosing tokens costs a full draft prefill; "
                       "TTFT gains come with a draft smaller than the target")
             _warm_up(engine)
 
-            methods = (("full", ReuseConfig(method="full")),
-                       ("speccache", ReuseConfig(method="speccache", recompute_ratio=args.ratio)))
-            ttft = {name: [] for name, _ in methods}
-            right = {name: 0 for name, _ in methods}
+            reuse = ReuseConfig(method=args.method, recompute_ratio=args.ratio)
+            name = args.method
+            ttft = {"full": [], name: []}
+            right = {"full": 0, name: 0}
+            same = 0
             questions = demo_questions()
             for n, q in enumerate(questions, 1):
                 picked = [chunks[i] for i in rank_chunks(q["question"], [c.text for c in chunks], args.top_k)]
@@ -221,24 +222,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 print(f"    expected: {q['answer']}   (from {', '.join(q['sources'])})")
                 print(f"    context:  {', '.join(c.label for c in picked)}")
                 outs = {}
-                for name, reuse in methods:
-                    out = engine.generate(prompt, max_new_tokens=args.max_new_tokens, reuse=reuse)
-                    outs[name] = out
+                for label, cfg in (("full", ReuseConfig(method="full")), (name, reuse)):
+                    out = engine.generate(prompt, max_new_tokens=args.max_new_tokens, reuse=cfg)
+                    outs[label] = out
                     ok = _matches(out.text, [q["answer"], *q.get("aliases", [])])
-                    right[name] += ok
-                    ttft[name].append(out.stats.ttft_s)
-                    print(f"    {name:<10} TTFT {out.stats.ttft_s:6.3f}s  {_mark(ok)}  "
-                          f"{_one_line(out.text)}")
-                s = outs["speccache"].stats
+                    right[label] += ok
+                    ttft[label].append(out.stats.ttft_s)
+                    print(f"    {label:<10} TTFT {out.stats.ttft_s:6.3f}s  {_mark(ok)}  {_one_line(out.text)}")
+                s = outs[name].stats
+                same += outs[name].text.strip() == outs["full"].text.strip()
                 speedup = outs["full"].stats.ttft_s / max(s.ttft_s, 1e-9)
-                print(f"    TTFT full/speccache = {speedup:.2f}x; speccache reused {s.reused_tokens} and "
-                      f"recomputed {s.recomputed_tokens} of {s.prompt_tokens} prompt tokens; "
-                      f"cache hits {s.cache_hits}/{s.cache_hits + s.cache_misses}")
+                print(f"    TTFT full/{name} = {speedup:.2f}x; reused {s.reused_tokens} and recomputed "
+                      f"{s.recomputed_tokens} of {s.prompt_tokens} prompt tokens; cache hits "
+                      f"{s.cache_hits}/{s.cache_hits + s.cache_misses}; same answer as full: "
+                      f"{'yes' if outs[name].text.strip() == outs['full'].text.strip() else 'no'}")
             mean = {k: sum(v) / len(v) for k, v in ttft.items()}
-            print(f"\nSummary over {len(questions)} questions: mean TTFT full {mean['full']:.3f}s, speccache "
-                  f"{mean['speccache']:.3f}s ({mean['full'] / max(mean['speccache'], 1e-9):.2f}x); answers "
-                  f"containing the expected text: full {right['full']}/{len(questions)}, speccache "
-                  f"{right['speccache']}/{len(questions)}")
+            k = len(questions)
+            print(f"\nSummary over {k} questions ({engine.dtype}): mean TTFT full {mean['full']:.3f}s, {name} "
+                  f"{mean[name]:.3f}s ({mean['full'] / max(mean[name], 1e-9):.2f}x faster); answers containing the "
+                  f"expected text: full {right['full']}/{k}, {name} {right[name]}/{k}; identical to full: {same}/{k}")
         finally:
             engine.close()
     return 0
@@ -289,10 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("demo", help="answer questions about the shipped documents, full prefill vs speccache",
+    p = sub.add_parser("demo", help="answer questions about the shipped documents, full prefill vs reuse",
                        description="Precompute the shipped demo documents, then answer each demo question with "
-                                   "method 'full' and 'speccache', printing answers, TTFT and reuse statistics.")
+                                   "method 'full' and the reuse method, printing answers, TTFT and reuse statistics.")
     _add_model_args(p, draft=DEMO_DRAFT, target=DEMO_TARGET)
+    p.add_argument("--method", choices=[m for m in METHODS if m != "full"], default=_DEFAULTS.method,
+                   help="reuse method compared with full prefill (default: %(default)s)")
     _add_compute_args(p)
     _add_store_arg(p, None, shown="a temporary directory")
     _add_answer_args(p, DEMO_MAX_NEW_TOKENS, "chunks per question")

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("full", "reuse", "epic", "cacheblend", "speccache", "random", "oracle")
+METHODS = ("full", "reuse", "epic", "cacheblend", "speccache", "qattn", "random", "oracle")
+DRAFT_METHODS = ("speccache",)          # the methods that run the draft model
 SINK_POLICIES = ("bos", "none")
 SPAN_RULES = ("smooth", "none")
 
@@ -25,6 +26,8 @@ class ReuseConfig:
     tau_smooth: float = 0.4
     tau_cover: float = 0.7
     max_span: int = 16
+    qattn_layers: tuple[float, float] = (0.0, 1.0)   # qattn scores with these layers (fractions of depth)
+    qattn_pool: int = 5                 # qattn: max-pool window over positions (1 = none)
     seed: int = 0                       # for "random"
 
     def __post_init__(self):
@@ -40,6 +43,12 @@ class ReuseConfig:
             raise ValueError(f"draft_layers must be within (0, 1], got {self.draft_layers}")
         if self.span_rule not in SPAN_RULES:
             raise ValueError(f"unknown span_rule {self.span_rule!r}; choose one of {', '.join(SPAN_RULES)}")
+        lo, hi = self.qattn_layers
+        if not 0.0 <= lo < hi <= 1.0:
+            raise ValueError(f"qattn_layers must be (first, last) fractions with 0 <= first < last <= 1, "
+                             f"got {self.qattn_layers!r}")
+        if self.qattn_pool < 1:
+            raise ValueError(f"qattn_pool must be >= 1, got {self.qattn_pool}")
         if self.tau_smooth < 0 or not 0.0 <= self.tau_cover <= 1.0 or self.max_span < 1:
             raise ValueError("need tau_smooth >= 0, tau_cover in [0, 1], max_span >= 1")
 

@@ -14,8 +14,8 @@ from .prompt import RAGPrompt, TokenizedPrompt, render, tokenize_piece
 from .rope import rotate_keys
 from .runner import KVCache, check_arch, decode_one, full_prefill, prefill
 from .sampling import StopTextBuffer, sample
-from .selection import (Selection, budget_for, cacheblend_prefill, epic_select, oracle_select, random_select,
-                        speculative_select)
+from .selection import (Selection, budget_for, cacheblend_prefill, epic_select, oracle_select, qattn_prefill,
+                        random_select, speculative_select)
 from .store import KVStore, open_store
 
 
@@ -205,8 +205,9 @@ class SpecCacheEngine:
         sel = Selection(tokens, reusable, budget_for(reuse.recompute_ratio, int(reusable.sum())), reuse)
 
         t = time.perf_counter()
-        if reuse.method == "cacheblend":
-            logits, recomputed = cacheblend_prefill(self.target, cache, sel, always)
+        if reuse.method in ("cacheblend", "qattn"):
+            blend = cacheblend_prefill if reuse.method == "cacheblend" else qattn_prefill
+            logits, recomputed = blend(self.target, cache, sel, always)
             stats.recompute_s = time.perf_counter() - t
         else:
             chosen = self._select(sel, prompt)

@@ -8,6 +8,7 @@ position, so "recompute everything" is a plain prefill.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,13 +58,18 @@ def embed(model, token_ids: torch.Tensor) -> torch.Tensor:
     return model.model.embed_tokens(token_ids)
 
 
+# observe(layer, q, k): q [H, S, D] the recomputed tokens' rotated queries, k [KVH, T, D] the cache's keys
+Observer = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
 def run_layers(model, cache: KVCache, h: torch.Tensor, positions: torch.Tensor, layers: range | None = None,
-               capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+               capture: dict[int, torch.Tensor] | None = None, observe: Observer | None = None) -> torch.Tensor:
     """Advance the residual stream of the tokens at ``positions`` through ``layers``.
 
     h: [S, hidden], positions: [S] (sorted, distinct). Their K/V are written into ``cache`` at
     ``positions``; queries attend to cache entries [0, max(positions)] with key_pos <= query_pos.
-    ``capture[i]`` receives the residual output of layer i (before any final norm).
+    ``capture[i]`` receives the residual output of layer i (before any final norm); ``observe`` sees
+    each layer's queries and keys (SDPA does not return attention weights).
     """
     m = model.model
     layers = range(len(m.layers)) if layers is None else layers
@@ -84,8 +90,11 @@ def run_layers(model, cache: KVCache, h: torch.Tensor, positions: torch.Tensor, 
             cache.k_pre[i][:, positions] = k
         cache.k[i][:, positions] = apply_rope(k, cos, sin)
         cache.v[i][:, positions] = v
+        q = apply_rope(q, cos, sin)
+        if observe is not None:
+            observe(i, q, cache.k[i, :, :num_keys])
         o = F.scaled_dot_product_attention(
-            apply_rope(q, cos, sin)[None], cache.k[i, :, :num_keys][None], cache.v[i, :, :num_keys][None],
+            q[None], cache.k[i, :, :num_keys][None], cache.v[i, :, :num_keys][None],
             attn_mask=mask, is_causal=dense, scale=attn.scaling, enable_gqa=True)[0]          # [H, S, D]
         h = h + attn.o_proj(o.transpose(0, 1).reshape(S, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -101,9 +110,9 @@ def logits(model, h_last: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def prefill(model, cache: KVCache, token_ids: torch.Tensor, positions: torch.Tensor,
-            capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+            capture: dict[int, torch.Tensor] | None = None, observe: Observer | None = None) -> torch.Tensor:
     """Recompute ``token_ids`` at ``positions`` through every layer; returns the last one's logits."""
-    h = run_layers(model, cache, embed(model, token_ids), positions, capture=capture)
+    h = run_layers(model, cache, embed(model, token_ids), positions, capture=capture, observe=observe)
     return logits(model, h[-1])
 
 

@@ -177,3 +177,29 @@ def test_bench_quick_cli_writes_a_well_formed_report(tmp_path):
     assert len((out / "results.jsonl").read_text().splitlines()) == len(rows)
     # an existing results file is not overwritten by accident
     assert main(["bench", "--suite", "quick", "--out", str(out), "--no-progress"] + argv[5:]) == 2
+
+
+def test_bench_ttft_suite_times_every_method_in_both_dtypes(tmp_path):
+    """`bench --suite ttft`, shrunk: one process, both dtypes in the same rounds, ratios to full in each."""
+    from speccache_rag.cli import main
+
+    out = tmp_path / "ttft"
+    argv = ["bench", "--suite", "ttft", "--out", str(out), "--pairs", "smollm2-135m:smollm2-135m",
+            "--dtypes", "float32,bfloat16", "--ttft-chunks", "4", "--chunk-tokens", "32", "--reps", "1",
+            "--ttft-methods", "full,reuse,speccache@0.15,qattn@0.15", "--threads", "1", "--no-progress"]
+    assert main(argv) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted((r["dtype"], r["method"]) for r in rows) == sorted(
+        (dt, m) for dt in ("float32", "bfloat16") for m in ("full", "reuse", "speccache@0.15", "qattn@0.15"))
+    by = {(r["dtype"], r["method"]): r for r in rows}
+    assert by[("float32", "full")]["speedup_vs_full_float32"] == pytest.approx(1.0)
+    assert by[("bfloat16", "full")]["speedup_vs_full_bfloat16"] == pytest.approx(1.0)
+    for r in rows:
+        assert r["ttft_median_s"] > 0 and 0 <= r["overhead_share"] < 1
+        assert r["speedup_vs_full_float32"] == pytest.approx(
+            by[("float32", "full")]["ttft_median_s"] / r["ttft_median_s"])
+    assert by[("float32", "reuse")]["recomputed_tokens"] < by[("float32", "full")]["recomputed_tokens"]
+    meta = json.loads((out / "suite.json").read_text())
+    assert meta["environment"]["dtype_auto"] in ("float32", "bfloat16")
+    report = (out / "report.md").read_text()
+    assert "× full float32 | × full bfloat16" in report and report.count("| qattn@0.15 |") == 2

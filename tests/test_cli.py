@@ -143,15 +143,17 @@ def test_ask_answers_from_the_documents(filled_store, shared_model, capsys, meth
 
 
 def test_demo_end_to_end(filled_store, shared_model, capsys):
-    assert cli.main(["demo", "--store", str(filled_store[0]), "--max-new-tokens", "8"]) == 0
+    assert cli.main(["demo", "--store", str(filled_store[0]), "--max-new-tokens", "8", "--target", "smollm2-135m",
+                     "--draft", "smollm2-135m", "--method", "speccache"]) == 0
     out = capsys.readouterr().out
     n = len(demo_questions())
     assert "0 new KV entries" in out                                    # the shared store was already full
     assert len(re.findall(r"^\s+full\s+TTFT", out, re.M)) == n
     assert len(re.findall(r"^\s+speccache\s+TTFT", out, re.M)) == n
-    assert len(re.findall(r"TTFT full/speccache = \d+\.\d+x; speccache reused [1-9]\d*", out)) == n
+    assert len(re.findall(r"TTFT full/speccache = \d+\.\d+x; reused [1-9]\d*", out)) == n
     assert out.count("cache hits 3/3") == n
-    assert f"Summary over {n} questions" in out
+    assert len(re.findall(r"same answer as full: (yes|no)$", out, re.M)) == n
+    assert re.search(rf"Summary over {n} questions \(float32\).*identical to full: \d/{n}", out)
 
 
 # --------------------------------------------------------------------------------------------------

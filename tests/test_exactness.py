@@ -8,7 +8,7 @@ from speccache_rag.models import tiny_random_model
 from speccache_rag.rope import rotate_keys
 from speccache_rag.runner import KVCache, decode_one, full_prefill, prefill
 
-ALL_BUT_REUSE = ["full", "epic", "cacheblend", "speccache", "random", "oracle"]
+ALL_BUT_REUSE = ["full", "epic", "cacheblend", "speccache", "qattn", "random", "oracle"]
 
 CHUNKS = [
     "Zorblat Industries was founded in 1987 by Mira Quell in the town of Vessendorf. The company makes "

@@ -22,7 +22,8 @@ def _shard(text: str) -> tuple[int, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--suite", default="quick", choices=sorted(SUITES), help="what to run (default: quick)")
+    p.add_argument("--suite", default="quick", choices=sorted([*SUITES, "ttft"]),
+                   help="what to run (default: quick); ttft = the timing suite of every method in each dtype")
     p.add_argument("--out", default=None, help="results directory (default: bench-results/SUITE)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true", help="continue DIR/results.jsonl, skipping rows already there")
@@ -40,6 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", dest="bench_max_new_tokens", type=int, default=None, help="greedy tokens per answer")
     p.add_argument("--sweep-prompts", type=int, default=None, help="prompts that also get the sweep methods")
     p.add_argument("--longbench", default=None, help="a LongBench-format JSONL file instead of synthetic prompts")
+    p.add_argument("--dtypes", default=None,
+                   help="compute dtype(s): auto, float32, bfloat16; the ttft suite takes a list (default: "
+                        "float32,bfloat16), the others one (default: auto)")
+    p.add_argument("--ttft-chunks", default=None, help="ttft suite: chunks per timed prompt, a list (default: 8,16)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (1 avoids OpenMP oversubscription on a shared machine)")
     p.add_argument("--stages", default="quality,ttft",
@@ -51,20 +56,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def suite_from_args(args: argparse.Namespace) -> Suite:
     suite = get_suite(args.suite)
-    pairs = None
-    if args.pairs:
-        pairs = []
-        for item in _csv(args.pairs):
-            target, sep, draft = item.partition(":")
-            if not sep or not target or not draft:
-                raise ValueError(f"--pairs wants TARGET:DRAFT items, got {item!r}")
-            pairs.append((target, draft))
+    pairs = _pairs(args.pairs) if args.pairs else None
     ttft = None if args.ttft_methods is None else _csv(args.ttft_methods)
     return suite.replace(
         pairs=pairs, methods=_csv(args.methods) if args.methods else None, ttft_methods=ttft,
         n_per_task=args.per_task, n_chunks=args.chunks, chunk_tokens=args.bench_chunk_tokens,
         ttft_examples=args.ttft_prompts if ttft != [] else 0, ttft_reps=args.reps,
         max_new_tokens=args.bench_max_new_tokens, sweep_examples=args.sweep_prompts)
+
+
+def _pairs(text: str) -> list[tuple[str, str]]:
+    pairs = []
+    for item in _csv(text):
+        target, sep, draft = item.partition(":")
+        if not sep or not target or not draft:
+            raise ValueError(f"--pairs wants TARGET:DRAFT items, got {item!r}")
+        pairs.append((target, draft))
+    return pairs
+
+
+def ttft_suite_from_args(args: argparse.Namespace):
+    from .ttft import TimingSuite
+
+    changes = {"pairs": _pairs(args.pairs) if args.pairs else None,
+               "dtypes": _csv(args.dtypes) if args.dtypes else None,
+               "n_chunks": [int(n) for n in _csv(args.ttft_chunks)] if args.ttft_chunks else None,
+               "chunk_tokens": args.bench_chunk_tokens, "methods": _csv(args.ttft_methods) if args.ttft_methods else None,
+               "reps": args.reps}
+    return TimingSuite(**{k: v for k, v in changes.items() if v is not None}).validate()
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -74,15 +93,30 @@ def run_from_args(args: argparse.Namespace) -> int:
     from .runner import run_suite
 
     out = Path(args.out or f"bench-results/{args.suite}")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.suite == "ttft":
+        from .ttft import run_ttft_suite
+
+        path = run_ttft_suite(ttft_suite_from_args(args), out, progress=not args.no_progress,
+                              command=getattr(args, "command", None))
+        print(f"report: {path}")
+        return 0
     if args.report_only:
         path = write_report(out)
     else:
         suite = suite_from_args(args)
-        if args.threads:
-            import torch
+        dtypes = _csv(args.dtypes or "auto")
+        if len(dtypes) != 1:
+            raise ValueError("--dtypes takes one dtype for this suite (a list only for --suite ttft)")
+        from functools import partial
 
-            torch.set_num_threads(args.threads)
+        from ..models import load
+
         path = run_suite(suite, out, resume=args.resume, fresh=args.fresh, progress=not args.no_progress,
+                         loader=partial(load, dtype=dtypes[0]),
                          longbench=args.longbench, stages=tuple(_csv(args.stages)), shard=_shard(args.shard),
                          command=getattr(args, "command", None))
     print(f"report: {path}")

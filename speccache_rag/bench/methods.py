@@ -32,6 +32,7 @@ from ..selection import oracle as _oracle_mod
 from ..selection import speculative as _spec_mod
 from ..selection.base import deep_layer_norms
 
+FAMILIES = ("epic", "cacheblend", "speccache", "qattn", "random", "oracle", "static", "deviation")
 DRAFT_FAMILIES = ("speccache", "static", "deviation")
 EXPERIMENTS = ("static", "deviation")
 
@@ -39,7 +40,7 @@ EXPERIMENTS = ("static", "deviation")
 @dataclass(frozen=True)
 class MethodSpec:
     name: str
-    family: str                 # full, reuse, epic, cacheblend, speccache, random, oracle, static, deviation
+    family: str                 # full, reuse, or one of FAMILIES
     ratio: float | None         # nominal recompute ratio (None: full, reuse, epic-kK)
     epic_k: int | None = None
 
@@ -69,7 +70,7 @@ def parse_method(name: str) -> MethodSpec:
             pass
     if "@" in name:
         family, _, r = name.partition("@")
-        if family in ("epic", "cacheblend", "speccache", "random", "oracle", "static", "deviation"):
+        if family in FAMILIES:
             try:
                 ratio = float(r)
             except ValueError:
@@ -77,7 +78,7 @@ def parse_method(name: str) -> MethodSpec:
             if 0.0 <= ratio <= 1.0:
                 return MethodSpec(name, family, ratio)
     raise ValueError(f"unknown bench method {name!r}; use full, reuse, epic-kK, or FAMILY@R with FAMILY in "
-                     "epic, cacheblend, speccache, random, oracle, static, deviation and R in [0, 1]")
+                     f"{', '.join(FAMILIES)} and R in [0, 1]")
 
 
 def sink_ids(tokenizer) -> list[int]:

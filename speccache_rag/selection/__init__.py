@@ -7,8 +7,9 @@ cached KV (template text, question, store misses).
 from .base import Selection, budget_for, top_positions
 from .cacheblend import cacheblend_prefill
 from .oracle import oracle_select
+from .question_attention import qattn_prefill
 from .speculative import speculative_select
 from .static import epic_select, random_select
 
-__all__ = ["Selection", "budget_for", "top_positions", "cacheblend_prefill", "oracle_select",
+__all__ = ["Selection", "budget_for", "top_positions", "cacheblend_prefill", "oracle_select", "qattn_prefill",
            "speculative_select", "epic_select", "random_select"]

@@ -160,21 +160,24 @@ class VllmSpecCacheEngine:
 
     def generate_many(self, prompts: list[RAGPrompt], max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                       temperature: float = 0.0, top_p: float = 1.0, stop: Iterable[str] | str | None = None,
-                      seed: int | None = None, cache_salt: str | None = None) -> list[GenerationOutput]:
+                      seed: int | None = None, cache_salt: str | None = None,
+                      salt_per_request: bool = True) -> list[GenerationOutput]:
         """Submit every prompt at once (vLLM batches them, blends included) and wait for all.
 
         ``cache_salt``: keeps these requests from hitting (exact) prefix-cache blocks of earlier ones
         (benchmarks: every request is then computed cold); blended requests are always salted.
+        ``salt_per_request=False``: the requests share the salt, so they hit each other's prefix blocks but
+        none from before (the prefix-caching baseline of the benchmark).
         """
-        pending = [self._submit(p, max_new_tokens, reuse, temperature, top_p, stop, seed, False, cache_salt)
-                   for p in prompts]
+        pending = [self._submit(p, max_new_tokens, reuse, temperature, top_p, stop, seed, False, cache_salt,
+                                salt_per_request) for p in prompts]
         for _ in self._drive(pending):
             pass
         return [self._result(p) for p in pending]
 
     # ---- internals ------------------------------------------------------------------------------
     def _submit(self, prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, want_logits,
-                cache_salt: str | None = None) -> _Pending:
+                cache_salt: str | None = None, salt_per_request: bool = True) -> _Pending:
         from vllm import SamplingParams
 
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -197,7 +200,7 @@ class VllmSpecCacheEngine:
                             extra_args={"kv_transfer_params": {PARAMS_KEY: params}})
         request = {"prompt_token_ids": tokens.token_ids}
         if cache_salt:
-            request["cache_salt"] = f"{cache_salt}:{tag}"
+            request["cache_salt"] = f"{cache_salt}:{tag}" if salt_per_request else cache_salt
         return self._add(request, sp, tag, reuse.method, len(tokens), start, want_logits)
 
     def _add(self, prompt: dict, sp, tag: str, method: str, n: int, start: float | None = None,

@@ -1,0 +1,74 @@
+"""Target question attention ("qattn"): the question picks the chunk tokens it needs, no draft involved.
+
+The question and template tokens are recomputed anyway. Prefilling them first over the reused chunk
+KV gives, in every layer, their attention over the chunk positions: the tokens the answer will read.
+Those scores (question rows only, float32, only in the layers scored) choose the top-r chunk tokens;
+then the chosen tokens — and every recomputed token after the first of them, whose KV read the stale
+chunks — go through the model again. (ProphetKV, A³, FusionRAG score with the question's attention.)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..runner import KVCache, prefill
+from .base import Selection, top_positions
+
+
+def scored_layers(num_layers: int, span: tuple[float, float]) -> range:
+    """Layer indices within the fraction ``span`` = (first, last) of the depth, at least one."""
+    first = min(num_layers - 1, int(span[0] * num_layers))
+    return range(first, max(first + 1, round(span[1] * num_layers)))
+
+
+class QuestionAttention:
+    """Accumulates, per key position, the attention the question rows pay it (mean over heads, rows, layers).
+
+    rows: indices into the recomputed tokens of the question rows; row_pos: their true positions [Q]."""
+
+    def __init__(self, rows: torch.Tensor, row_pos: torch.Tensor, layers: range, scale: float, num_keys: int):
+        self.rows, self.row_pos, self.layers, self.scale = rows, row_pos, layers, scale
+        self.scores = torch.zeros(num_keys)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        if layer not in self.layers or self.rows.numel() == 0:
+            return
+        q = q[:, self.rows].float()                                          # [H, Q, D]
+        k = k.float().repeat_interleave(q.shape[0] // k.shape[0], dim=0)      # [H, T, D]
+        att = (q @ k.transpose(1, 2)) * self.scale                            # [H, Q, T]
+        att = att.masked_fill(torch.arange(k.shape[1])[None, :] > self.row_pos[:, None], float("-inf"))
+        self.scores[: k.shape[1]] += att.softmax(-1).mean(dim=(0, 1)) / len(self.layers)
+
+
+def pool(scores: torch.Tensor, window: int) -> torch.Tensor:
+    """Max over a centred window: a token next to an attended one is likely part of the same fact."""
+    if window <= 1:
+        return scores
+    return F.max_pool1d(scores[None, None], window, stride=1, padding=window // 2)[0, 0, : scores.numel()]
+
+
+def question_rows(sel: Selection, always: torch.Tensor) -> torch.Tensor:
+    """Of the always-recomputed positions, the indices of those after the last chunk (question, suffix)."""
+    chunks = sel.tokens.chunk_segments()
+    if not chunks:
+        raise ValueError("question-attention selection needs a prompt with chunks")
+    return (always >= chunks[-1].end).nonzero().flatten()
+
+
+@torch.inference_mode()
+def qattn_prefill(model, cache: KVCache, sel: Selection, always: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blend ``cache`` (reused chunks loaded) in place → (last-token logits, positions recomputed at least once)."""
+    cfg = sel.config
+    ids = sel.tokens.ids
+    rows = question_rows(sel, always)
+    attn = model.model.layers[0].self_attn
+    probe = QuestionAttention(rows, always[rows], scored_layers(model.config.num_hidden_layers, cfg.qattn_layers),
+                              attn.scaling, len(sel.tokens))
+    logits = prefill(model, cache, ids[always], always, observe=probe if sel.budget else None)
+    if sel.budget == 0:
+        return logits, always
+    chosen = top_positions(pool(probe.scores, cfg.qattn_pool), sel.reusable_positions, sel.budget)
+    # Recomputed tokens before the first chosen one read nothing stale: their first pass is final.
+    again = torch.cat([chosen, always[always > chosen[0]]]).unique()
+    logits = prefill(model, cache, ids[again], again)
+    return logits, torch.cat([chosen, always]).unique()
