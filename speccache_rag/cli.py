@@ -176,10 +176,11 @@ def cmd_ask(args: argparse.Namespace) -> int:
         prompt = RAGPrompt(chunks=[c.text for c in picked], question=args.question)
         _warm_up(engine)
         if args.stream:
-            for piece in engine.stream(prompt, max_new_tokens=args.max_new_tokens, reuse=reuse):
+            stream = engine.stream(prompt, max_new_tokens=args.max_new_tokens, reuse=reuse)
+            for piece in stream:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
-            out = engine.last_output
+            out = stream.output
             sys.stdout.write("\n")
         else:
             out = engine.generate(prompt, max_new_tokens=args.max_new_tokens, reuse=reuse)

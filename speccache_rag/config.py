@@ -27,7 +27,9 @@ class ReuseConfig:
     tau_cover: float = 0.7
     max_span: int = 16
     qattn_layers: tuple[float, float] = (0.0, 1.0)   # qattn scores with these layers (fractions of depth)
-    qattn_pool: int = 5                 # qattn: max-pool window over positions (1 = none)
+    qattn_pool: int = 1                 # qattn: max-pool window over positions (1 = none)
+    qattn_heads: str = "mean"           # qattn: "mean" or "max" over heads
+    qattn_sink: int = 0                 # qattn: the first k tokens of every chunk are chosen first
     seed: int = 0                       # for "random"
 
     def __post_init__(self):
@@ -47,8 +49,10 @@ class ReuseConfig:
         if not 0.0 <= lo < hi <= 1.0:
             raise ValueError(f"qattn_layers must be (first, last) fractions with 0 <= first < last <= 1, "
                              f"got {self.qattn_layers!r}")
-        if self.qattn_pool < 1:
-            raise ValueError(f"qattn_pool must be >= 1, got {self.qattn_pool}")
+        if self.qattn_pool < 1 or self.qattn_sink < 0:
+            raise ValueError(f"need qattn_pool >= 1 and qattn_sink >= 0, got {self.qattn_pool}, {self.qattn_sink}")
+        if self.qattn_heads not in ("mean", "max"):
+            raise ValueError(f"qattn_heads must be 'mean' or 'max', got {self.qattn_heads!r}")
         if self.tau_smooth < 0 or not 0.0 <= self.tau_cover <= 1.0 or self.max_span < 1:
             raise ValueError("need tau_smooth >= 0, tau_cover in [0, 1], max_span >= 1")
 

@@ -50,6 +50,27 @@ class GenerationOutput:
     first_logits: torch.Tensor | None = field(default=None, repr=False)
 
 
+class GenerationStream(Iterator[str]):
+    """Text pieces of one generation as they are decoded; ``output`` is set once the last piece is out.
+
+    Nothing is computed until the first ``next()``; ``close()`` (or dropping it) stops generation."""
+
+    def __init__(self) -> None:
+        self.output: GenerationOutput | None = None
+        self._pieces: Iterator[str] = iter(())
+
+    def __iter__(self) -> "GenerationStream":
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        close = getattr(self._pieces, "close", None)
+        if close is not None:
+            close()
+
+
 class SpecCacheEngine:
     """Reuses per-chunk KV caches for RAG prompts and repairs them by recomputing chosen tokens.
 
@@ -75,7 +96,6 @@ class SpecCacheEngine:
         self.dtype = dtype_name(next(target.parameters()).dtype)
         self._sink_ids = self._sink_token_ids()
         self._eos_ids = self._eos_token_ids()
-        self.last_output: GenerationOutput | None = None
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, store: KVStore | str = "./.speccache/kv",
@@ -129,24 +149,40 @@ class SpecCacheEngine:
     def generate(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, stop: Iterable[str] | str | None = None,
                  seed: int | None = None, return_first_logits: bool = False) -> GenerationOutput:
-        for _ in self.stream(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits):
+        stream = self.stream(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits)
+        for _ in stream:
             pass
-        return self.last_output
+        return stream.output
+
+    def generate_many(self, prompts: Iterable[RAGPrompt], max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
+                      **kwargs) -> list[GenerationOutput]:
+        """``generate`` for each prompt, in order (the torch engine computes one prompt at a time)."""
+        return [self.generate(p, max_new_tokens, reuse, **kwargs) for p in prompts]
 
     def stream(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                temperature: float = 0.0, top_p: float = 1.0, stop: Iterable[str] | str | None = None,
-               seed: int | None = None, return_first_logits: bool = False) -> Iterator[str]:
-        """Yield text as it is generated; ``self.last_output`` holds the full result afterwards."""
+               seed: int | None = None, return_first_logits: bool = False) -> "GenerationStream":
+        """An iterator of text pieces as they are generated; its ``.output`` holds the result once it is done.
+
+        Everything about the request lives in the iterator, so one engine serves many threads and
+        interleaved streams. Chunks that missed the store are stored when the generation ends, also when
+        the caller abandons the stream, so the next request finds them."""
+        start = time.perf_counter()
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         gen = GenerationConfig(max_new_tokens, temperature, top_p, stop, seed)
         reuse = reuse or ReuseConfig()
         if not isinstance(prompt, RAGPrompt):
             raise TypeError(f"prompt must be a RAGPrompt, got {type(prompt).__name__}")
-        start = time.perf_counter()
         tokens = render(prompt, self.tokenizer)
         if len(tokens) + gen.max_new_tokens > self.context_window:
             raise ValueError(f"prompt of {len(tokens)} tokens + max_new_tokens={gen.max_new_tokens} exceeds the "
                              f"context window of {self.context_window} tokens; retrieve fewer or shorter chunks")
+        stream = GenerationStream()
+        stream._pieces = self._run(stream, prompt, tokens, gen, reuse, return_first_logits, start)
+        return stream
+
+    def _run(self, stream: "GenerationStream", prompt: RAGPrompt, tokens: TokenizedPrompt, gen: GenerationConfig,
+             reuse: ReuseConfig, return_first_logits: bool, start: float) -> Iterator[str]:
         stats = GenerationStats(method=reuse.method, prompt_tokens=len(tokens), dtype=self.dtype)
         cache = KVCache.empty(self.target, len(tokens) + gen.max_new_tokens)
         first_logits, missed = self._prefill(prompt, tokens, cache, reuse, stats)
@@ -156,11 +192,19 @@ class SpecCacheEngine:
         next_id = sample(first_logits, gen.temperature, gen.top_p, generator)
         stats.first_decode_s = time.perf_counter() - t
         stats.ttft_s = time.perf_counter() - start
+        try:
+            yield from self._decode(stream, cache, len(tokens), next_id, generator, gen, stats, start,
+                                    first_logits if return_first_logits else None)
+        finally:   # also when the caller stops reading: the next request finds these chunks stored
+            if self.fill_misses and missed:
+                self._store_missed(tokens, missed)
 
+    def _decode(self, stream: "GenerationStream", cache: KVCache, position: int, next_id: int, generator,
+                gen: GenerationConfig, stats: GenerationStats, start: float,
+                first_logits: torch.Tensor | None) -> Iterator[str]:
         out_ids: list[int] = []
         buffer = StopTextBuffer(self.tokenizer, gen.stop)
         finish = "length"
-        position = len(tokens)
         while True:
             if next_id in self._eos_ids:
                 finish = "stop"
@@ -183,10 +227,7 @@ class SpecCacheEngine:
             yield tail
         stats.generated_tokens = len(out_ids)
         stats.total_s = time.perf_counter() - start
-        self.last_output = GenerationOutput(buffer.text, out_ids, stats, finish,
-                                            first_logits if return_first_logits else None)
-        if self.fill_misses and missed:
-            self._store_missed(tokens, missed)
+        stream.output = GenerationOutput(buffer.text, out_ids, stats, finish, first_logits)
 
     def _prefill(self, prompt: RAGPrompt, tokens: TokenizedPrompt, cache: KVCache, reuse: ReuseConfig,
                  stats: GenerationStats) -> tuple[torch.Tensor, list[int]]:

@@ -247,23 +247,17 @@ def prompt_from_text(engine, prompt: str | Sequence[dict], hints: Iterable[str] 
 
 
 # ---- generation from a framework's prompt ------------------------------------------------------
-_LOCKS: "weakref.WeakKeyDictionary[object, threading.Lock]" = weakref.WeakKeyDictionary()
-
-
-def _engine_lock(engine) -> threading.Lock:
-    with _INDEXES_LOCK:
-        return _LOCKS.setdefault(engine, threading.Lock())
-
-
 def stream_text(engine, prompt: str | Sequence[dict], hints: Iterable[str] | None = None,
                 **generate_kwargs) -> Iterator[str | GenerationOutput]:
     """Generate from a prompt string or chat messages: yields text pieces as they are decoded, then
-    the ``GenerationOutput``. One generation per engine runs at a time (calls from other threads wait).
-    ``generate_kwargs`` are those of ``SpecCacheEngine.stream`` (max_new_tokens, reuse, temperature, …)."""
-    with _engine_lock(engine):
-        rag_prompt = prompt_from_text(engine, prompt, hints)
-        yield from engine.stream(rag_prompt, **generate_kwargs)
-        yield engine.last_output
+    this call's ``GenerationOutput``. Calls from many threads run side by side (the engine keeps no
+    per-request state). ``generate_kwargs`` are those of ``SpecCacheEngine.stream``."""
+    stream = engine.stream(prompt_from_text(engine, prompt, hints), **generate_kwargs)
+    try:
+        yield from stream
+    finally:
+        stream.close()
+    yield stream.output
 
 
 async def astream_text(engine, prompt: str | Sequence[dict], hints: Iterable[str] | None = None,

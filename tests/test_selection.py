@@ -150,3 +150,55 @@ def test_draft_selection_follows_scores_within_budget(two_tokenizers):
     assert chosen.numel() == sel.budget and sel.reusable[chosen].all()
     spelled = {ts.start + j for j, (a, b) in enumerate(ts.offsets) if a < word + 8 and word < b}
     assert spelled <= set(chosen.tolist())
+
+
+def test_question_rows_are_everything_after_the_last_chunk(two_tokenizers):
+    from speccache_rag.selection.question_attention import question_rows
+
+    question = "Who built the chronometer's escapement?"
+    for tok in two_tokenizers:
+        tokens = render(RAGPrompt(chunks=CHUNKS, question=question), tok)
+        sel = _selection(tokens, 0.15)
+        always = (~sel.reusable).nonzero().flatten()
+        rows = always[question_rows(sel, always)]
+        last = tokens.chunk_segments()[-1]
+        assert rows.tolist() == list(range(last.end, len(tokens)))
+        text = tok.decode([tokens.token_ids[i] for i in rows])
+        assert question in text and not any(c[-20:] in text for c in CHUNKS)
+
+
+def test_question_attention_needs_chunks(two_tokenizers):
+    from speccache_rag.selection.question_attention import question_rows
+
+    tokens = render(RAGPrompt(question="What?"), two_tokenizers[0])
+    sel = _selection(tokens, 0.15)
+    with pytest.raises(ValueError, match="needs a prompt with chunks"):
+        question_rows(sel, torch.arange(len(tokens)))
+
+
+def test_question_attention_probe_scores_what_the_rows_attend():
+    from speccache_rag.selection.question_attention import QuestionAttention, pool, scored_layers
+
+    assert list(scored_layers(24, (0.5, 1.0))) == list(range(12, 24))
+    assert list(scored_layers(24, (0.99, 1.0))) == [23]
+    k = torch.zeros(1, 6, 4)
+    k[0, 2] = 5.0                                           # key 2 matches the query strongly
+    q = torch.ones(2, 3, 4)                                 # 2 heads (GQA over 1 KV head), 3 recomputed tokens
+    probe = QuestionAttention(rows=torch.tensor([2]), row_pos=torch.tensor([5]), layers=range(1), scale=1.0,
+                              num_keys=6)
+    probe(0, q, k)
+    probe(1, q, k)                                          # a layer not scored: ignored
+    assert int(probe.scores.argmax()) == 2 and probe.scores.sum() == pytest.approx(1.0)
+    early = QuestionAttention(rows=torch.tensor([0]), row_pos=torch.tensor([1]), layers=range(1), scale=1.0,
+                              num_keys=6)
+    early(0, q, k)                                          # causal: a row at position 1 sees keys 0..1 only
+    assert early.scores[2:].sum() == 0 and early.scores[:2].sum() == pytest.approx(1.0)
+    assert pool(torch.tensor([0.0, 1.0, 0.0, 0.0]), 3).tolist() == [1.0, 1.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("bad, match", [(dict(qattn_layers=(0.6, 0.5)), "qattn_layers"),
+                                        (dict(qattn_layers=(0.0, 1.5)), "qattn_layers"),
+                                        (dict(qattn_pool=0), "qattn_pool"), (dict(qattn_heads="sum"), "qattn_heads")])
+def test_bad_question_attention_options_are_rejected(bad, match):
+    with pytest.raises(ValueError, match=match):
+        ReuseConfig(method="qattn", **bad)

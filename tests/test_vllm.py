@@ -331,8 +331,9 @@ def test_blended_kv_is_never_served_as_an_exact_prefix_hit(engine, prompt):
 
 @needs_vllm
 def test_streaming_yields_the_text_piece_by_piece(engine, prompt):
-    pieces = list(engine.stream(prompt, max_new_tokens=16, reuse=ReuseConfig(method="speccache")))
-    out = engine.last_output
+    stream = engine.stream(prompt, max_new_tokens=16, reuse=ReuseConfig(method="speccache"))
+    pieces = list(stream)
+    out = stream.output
     assert len(pieces) > 1 and "".join(pieces) == out.text
     assert out.stats.cache_hits == len(CHUNKS) and out.stats.generated_tokens == len(out.token_ids)
 

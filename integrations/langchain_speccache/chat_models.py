@@ -96,8 +96,9 @@ class ChatSpecCache(BaseChatModel):
 
     _engine: Optional[SpecCacheEngine] = PrivateAttr(default=None)
     _engine_lock: Any = PrivateAttr(default_factory=threading.Lock)
+    # per thread, so that concurrent callers each see their own call's statistics
+    _last_stats: Any = PrivateAttr(default_factory=threading.local)
     _hints: RetrievalHints = PrivateAttr(default_factory=RetrievalHints)
-    _last_stats: Optional[GenerationStats] = PrivateAttr(default=None)
 
     def __init__(self, engine: Optional[SpecCacheEngine] = None, **kwargs: Any) -> None:
         if engine is not None:
@@ -127,8 +128,9 @@ class ChatSpecCache(BaseChatModel):
 
     @property
     def last_stats(self) -> Optional[GenerationStats]:
-        """Statistics of the most recent call (same fields as ``GenerationOutput.stats``)."""
-        return self._last_stats
+        """Statistics of the most recent call made from this thread (every response also
+        carries its own, in ``usage_metadata`` and ``response_metadata["speccache"]``)."""
+        return getattr(self._last_stats, "stats", None)
 
     @property
     def retrieval_hints(self) -> RetrievalHints:
@@ -177,7 +179,8 @@ class ChatSpecCache(BaseChatModel):
         return self._hints.texts() if self.use_retrieval_hints else None
 
     def _metadata(self, out: GenerationOutput) -> dict[str, Any]:
-        self._last_stats = s = out.stats
+        s = out.stats
+        self._last_stats.stats = s
         usage = UsageMetadata(input_tokens=s.prompt_tokens, output_tokens=s.generated_tokens,
                               total_tokens=s.prompt_tokens + s.generated_tokens,
                               input_token_details={"cache_read": s.reused_tokens})

@@ -26,8 +26,9 @@ class QuestionAttention:
 
     rows: indices into the recomputed tokens of the question rows; row_pos: their true positions [Q]."""
 
-    def __init__(self, rows: torch.Tensor, row_pos: torch.Tensor, layers: range, scale: float, num_keys: int):
-        self.rows, self.row_pos, self.layers, self.scale = rows, row_pos, layers, scale
+    def __init__(self, rows: torch.Tensor, row_pos: torch.Tensor, layers: range, scale: float, num_keys: int,
+                 heads: str = "mean"):
+        self.rows, self.row_pos, self.layers, self.scale, self.heads = rows, row_pos, layers, scale, heads
         self.scores = torch.zeros(num_keys)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
@@ -37,7 +38,8 @@ class QuestionAttention:
         k = k.float().repeat_interleave(q.shape[0] // k.shape[0], dim=0)      # [H, T, D]
         att = (q @ k.transpose(1, 2)) * self.scale                            # [H, Q, T]
         att = att.masked_fill(torch.arange(k.shape[1])[None, :] > self.row_pos[:, None], float("-inf"))
-        self.scores[: k.shape[1]] += att.softmax(-1).mean(dim=(0, 1)) / len(self.layers)
+        p = att.softmax(-1).mean(dim=1)                                       # [H, T]
+        self.scores[: k.shape[1]] += (p.amax(0) if self.heads == "max" else p.mean(0)) / len(self.layers)
 
 
 def pool(scores: torch.Tensor, window: int) -> torch.Tensor:
@@ -60,14 +62,18 @@ def qattn_prefill(model, cache: KVCache, sel: Selection, always: torch.Tensor) -
     """Blend ``cache`` (reused chunks loaded) in place → (last-token logits, positions recomputed at least once)."""
     cfg = sel.config
     ids = sel.tokens.ids
+    if sel.budget == 0:
+        return prefill(model, cache, ids[always], always), always
     rows = question_rows(sel, always)
     attn = model.model.layers[0].self_attn
     probe = QuestionAttention(rows, always[rows], scored_layers(model.config.num_hidden_layers, cfg.qattn_layers),
-                              attn.scaling, len(sel.tokens))
-    logits = prefill(model, cache, ids[always], always, observe=probe if sel.budget else None)
-    if sel.budget == 0:
-        return logits, always
-    chosen = top_positions(pool(probe.scores, cfg.qattn_pool), sel.reusable_positions, sel.budget)
+                              attn.scaling, len(sel.tokens), cfg.qattn_heads)
+    prefill(model, cache, ids[always], always, observe=probe)
+    scores = pool(probe.scores, cfg.qattn_pool)
+    if cfg.qattn_sink:   # each chunk's first tokens, its private attention sink, come first (as EPIC's do)
+        for seg in sel.tokens.chunk_segments():
+            scores[seg.start:seg.start + cfg.qattn_sink] += 1e3
+    chosen = top_positions(scores, sel.reusable_positions, sel.budget)
     # Recomputed tokens before the first chosen one read nothing stale: their first pass is final.
     again = torch.cat([chosen, always[always > chosen[0]]]).unique()
     logits = prefill(model, cache, ids[again], again)

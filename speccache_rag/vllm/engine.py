@@ -1,4 +1,4 @@
-"""``VllmSpecCacheEngine``: the torch engine's API (precompute / generate / stream / last_output) on vLLM.
+"""``VllmSpecCacheEngine``: the torch engine's API (precompute / generate / generate_many / stream) on vLLM.
 
 ``SpecCacheEngine.from_pretrained(..., backend="vllm")`` returns one. vLLM runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the scheduler, the worker with the SpecCache connector and
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import GenerationConfig, ReuseConfig
-from ..engine import GenerationOutput, GenerationStats
+from ..engine import GenerationOutput, GenerationStats, GenerationStream
 from ..hardware import dtype_name
 from ..kv import chunk_key
 from ..prompt import RAGPrompt, render, tokenize_piece
@@ -96,7 +96,6 @@ class VllmSpecCacheEngine:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-        self.last_output: GenerationOutput | None = None
         self._defaults = (method, recompute_ratio)
         self._inflight: dict[str, _Pending] = {}
 
@@ -140,23 +139,29 @@ class VllmSpecCacheEngine:
     def generate(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, stop: Iterable[str] | str | None = None,
                  seed: int | None = None, return_first_logits: bool = False) -> GenerationOutput:
-        for _ in self.stream(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits):
+        stream = self.stream(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits)
+        for _ in stream:
             pass
-        return self.last_output
+        return stream.output
 
     def stream(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                temperature: float = 0.0, top_p: float = 1.0, stop: Iterable[str] | str | None = None,
-               seed: int | None = None, return_first_logits: bool = False) -> Iterator[str]:
-        """Yield text as it is generated; ``self.last_output`` holds the full result afterwards."""
+               seed: int | None = None, return_first_logits: bool = False) -> GenerationStream:
+        """An iterator of this request's text pieces; its ``.output`` holds the result once it is done."""
         pending = self._submit(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits)
+        stream = GenerationStream()
+        stream._pieces = self._pieces(stream, pending)
+        return stream
+
+    def _pieces(self, stream: GenerationStream, pending: _Pending) -> Iterator[str]:
         try:
             for p, piece in self._drive([pending]):
-                if piece:
+                if p is pending and piece:
                     yield piece
         finally:
             if self._inflight.pop(pending.request_id, None) is not None and self.engine is not None:
                 self.engine.abort_request([pending.request_id])     # the caller stopped reading early
-        self.last_output = self._result(pending)
+        stream.output = self._result(pending)
 
     def generate_many(self, prompts: list[RAGPrompt], max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                       temperature: float = 0.0, top_p: float = 1.0, stop: Iterable[str] | str | None = None,

@@ -93,8 +93,9 @@ class SpecCacheLLM(LLM):
 
     _engine: Optional[SpecCacheEngine] = PrivateAttr(default=None)
     _engine_lock: Any = PrivateAttr(default_factory=threading.Lock)
+    # per thread, so that concurrent callers each see their own call's statistics
+    _last_stats: Any = PrivateAttr(default_factory=threading.local)
     _context: Optional[int] = PrivateAttr(default=None)
-    _last_stats: Optional[GenerationStats] = PrivateAttr(default=None)
 
     def __init__(self, engine: Optional[SpecCacheEngine] = None, **kwargs: Any) -> None:
         if engine is not None:
@@ -123,11 +124,6 @@ class SpecCacheLLM(LLM):
                 self._engine = SpecCacheEngine.from_pretrained(self.target, draft=self.draft, store=self.store,
                                                                backend=self.backend, dtype=self.dtype)
             return self._engine
-
-    @property
-    def last_stats(self) -> Optional[GenerationStats]:
-        """Statistics of the most recent call (same fields as ``GenerationOutput.stats``)."""
-        return self._last_stats
 
     @property
     def metadata(self) -> LLMMetadata:
@@ -160,6 +156,12 @@ class SpecCacheLLM(LLM):
             seed=kwargs.get("seed", self.seed),
         )
 
+    @property
+    def last_stats(self) -> Optional[GenerationStats]:
+        """Statistics of the most recent call made from this thread (every response also
+        carries its own, in ``raw["stats"]`` and ``additional_kwargs``)."""
+        return getattr(self._last_stats, "stats", None)
+
     def _hints(self) -> Optional[List[str]]:
         return retrieval_hints().texts() if self.use_retrieval_hints else None
 
@@ -168,9 +170,10 @@ class SpecCacheLLM(LLM):
         return [*system, {"role": "user", "content": prompt}]
 
     def _final(self, out: GenerationOutput) -> CompletionResponse:
-        self._last_stats = out.stats
+        self._last_stats.stats = out.stats
         stats = out.stats.to_dict()
-        return CompletionResponse(text=out.text, delta="", additional_kwargs=stats,
+        return CompletionResponse(text=out.text, delta="",
+                                  additional_kwargs={**stats, "cached_tokens": out.stats.reused_tokens},
                                   raw={"stats": stats, "finish_reason": out.finish_reason,
                                        "token_ids": out.token_ids})
 
