@@ -14,8 +14,7 @@ from .prompt import RAGPrompt, TokenizedPrompt, render, tokenize_piece
 from .rope import rotate_keys
 from .runner import KVCache, check_arch, decode_one, full_prefill, prefill
 from .sampling import StopTextBuffer, sample
-from .selection import (Selection, budget_for, cacheblend_prefill, epic_select, oracle_select, qattn_prefill,
-                        random_select, speculative_select)
+from .selection import SELECTORS, Selection, budget_for, hidden_states
 from .store import KVStore, open_store
 
 
@@ -243,36 +242,25 @@ class SpecCacheEngine:
         reusable, missed = self._load_chunks(tokens, cache, stats)
         stats.load_s = time.perf_counter() - t
         always = (~reusable).nonzero().flatten()
-        sel = Selection(tokens, reusable, budget_for(reuse.recompute_ratio, int(reusable.sum())), reuse)
-
+        sel = Selection(tokens, reusable, budget_for(reuse.recompute_ratio, int(reusable.sum())), reuse,
+                        prompt=prompt, draft=self.draft, draft_tokenizer=self.draft_tokenizer,
+                        hidden_states=self.hidden_states)
         t = time.perf_counter()
-        if reuse.method in ("cacheblend", "qattn"):
-            blend = cacheblend_prefill if reuse.method == "cacheblend" else qattn_prefill
-            logits, recomputed = blend(self.target, cache, sel, always)
-            stats.recompute_s = time.perf_counter() - t
-        else:
-            chosen = self._select(sel, prompt)
-            stats.draft_s = time.perf_counter() - t
-            stats.draft_forward_s = sel.timings.get("draft_forward_s", 0.0)
-            t = time.perf_counter()
-            recomputed = torch.cat([chosen, always]).unique()
-            logits = prefill(self.target, cache, tokens.ids[recomputed], recomputed)
-            stats.recompute_s = time.perf_counter() - t
+        logits, recomputed = self.selector(reuse.method)(self.target, cache, sel, always)
+        stats.draft_s = sel.timings.get("select_s", 0.0)
+        stats.draft_forward_s = sel.timings.get("draft_forward_s", 0.0)
+        stats.recompute_s = time.perf_counter() - t - stats.draft_s
         stats.recomputed_tokens = recomputed.numel()
         stats.reused_tokens = n - stats.recomputed_tokens
         return logits, missed
 
-    def _select(self, sel: Selection, prompt: RAGPrompt) -> torch.Tensor:
-        method = sel.config.method
-        if method == "reuse" or sel.budget == 0:
-            return torch.empty(0, dtype=torch.long)
-        if method == "epic":
-            return epic_select(sel)
-        if method == "random":
-            return random_select(sel)
-        if method == "oracle":
-            return oracle_select(sel, self.target)
-        return speculative_select(sel, prompt, self.draft, self.draft_tokenizer)
+    def selector(self, method: str):
+        """The blend that ``method`` names (``selection.SELECTORS``)."""
+        return SELECTORS[method]
+
+    def hidden_states(self, model, token_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Every layer's residual stream of a plain prefill of ``token_ids`` (draft scoring, oracle)."""
+        return hidden_states(model, token_ids)
 
     def _load_chunks(self, tokens: TokenizedPrompt, cache: KVCache, stats: GenerationStats):
         """Put every stored chunk's KV, rotated to its true positions, into the cache."""

@@ -4,7 +4,8 @@ import torch
 from speccache_rag import RAGPrompt, ReuseConfig
 from speccache_rag.models import load_tokenizer
 from speccache_rag.prompt import render
-from speccache_rag.selection import Selection, budget_for, epic_select, random_select, top_positions
+from speccache_rag.selection import SELECTORS, Selection, budget_for, top_positions
+from speccache_rag.selection.static import epic_select, random_select
 from speccache_rag.selection.speculative import expand, map_to_target, select_by_draft_scores, span_ids
 
 CHUNKS = [
@@ -202,3 +203,9 @@ def test_question_attention_probe_scores_what_the_rows_attend():
 def test_bad_question_attention_options_are_rejected(bad, match):
     with pytest.raises(ValueError, match=match):
         ReuseConfig(method="qattn", **bad)
+
+
+def test_every_configurable_method_has_one_registered_selector():
+    from speccache_rag.config import METHODS
+
+    assert set(SELECTORS) == set(METHODS) - {"full"}

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from unittest import mock
 
 import torch
 
@@ -25,12 +24,9 @@ from ..config import ReuseConfig
 from ..engine import SpecCacheEngine
 from ..prompt import RAGPrompt, TokenizedPrompt, render, tokenize_piece
 from ..runner import full_prefill
-from ..selection import Selection
-from .. import engine as _engine_mod
-from .. import runner as _runner_mod
-from ..selection import oracle as _oracle_mod
-from ..selection import speculative as _spec_mod
-from ..selection.base import deep_layer_norms
+from ..selection import Selection, hidden_states
+from ..selection.registry import recompute_picked
+from ..selection.speculative import select_by_draft_scores
 
 FAMILIES = ("epic", "cacheblend", "speccache", "qattn", "random", "oracle", "static", "deviation")
 DRAFT_FAMILIES = ("speccache", "static", "deviation")
@@ -142,57 +138,36 @@ class BenchEngine(SpecCacheEngine):
         key = (id(model), tuple(ids.tolist()))
         if self._memo is not None and key in self._memo:
             return self._memo[key]
-        cap: dict[int, torch.Tensor] = {}
-        full_prefill(model, ids, capture=cap)
+        cap = hidden_states(model, ids)
         if self._memo is not None:
             self._memo[key] = cap
         return cap
 
+    def hidden_states(self, model, token_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+        return self.capture(model, token_ids)
+
     @contextlib.contextmanager
     def memoized(self):
-        """Within: speccache and oracle scoring reuse one prefill per (model, prompt). Quality only —
-        never around timed calls."""
-        engine = self
-
-        def score(draft, draft_tokens, fraction):
-            return deep_layer_norms(engine.capture(draft, draft_tokens.ids), draft.config.num_hidden_layers, fraction)
-
-        def oracle_prefill(model, token_ids, capacity=None, keep_pre_rope=False, capture=None):
-            if capture is not None:
-                capture.update(engine.capture(model, token_ids))
-            return None, None
-
-        def engine_prefill(model, cache, token_ids, positions, capture=None):
-            # the engine's own full prefill ("full" method), captured so oracle/agreement need no second one
-            n = positions.numel()
-            if capture is None and n and int(positions[0]) == 0 and int(positions[-1]) == n - 1:
-                cap: dict[int, torch.Tensor] = {}
-                logits = _runner_mod.prefill(model, cache, token_ids, positions, capture=cap)
-                engine._memo[(id(model), tuple(token_ids.tolist()))] = cap
-                return logits
-            return _runner_mod.prefill(model, cache, token_ids, positions, capture=capture)
-
+        """Within: draft and oracle scoring reuse one prefill per (model, prompt), so every r of a method
+        costs one scoring pass. Quality only — never around timed calls."""
         self._memo = {}
         try:
-            with mock.patch.object(_spec_mod, "score", score), \
-                    mock.patch.object(_oracle_mod, "full_prefill", oracle_prefill), \
-                    mock.patch.object(_engine_mod, "prefill", engine_prefill):
-                yield self
+            yield self
         finally:
             self._memo = None
 
     # ---- selection ----------------------------------------------------------------------------
-    def _select(self, sel: Selection, prompt: RAGPrompt) -> torch.Tensor:
-        if self.variant is None or sel.budget == 0:
-            return super()._select(sel, prompt)
-        draft_tokens = render(prompt, self.draft_tokenizer)
-        if self.variant == "static":
-            scores = self._static_scores(draft_tokens)
-        elif self.variant == "deviation":
-            scores = self._deviation_scores(draft_tokens)
-        else:
-            raise ValueError(f"unknown variant {self.variant!r}")
-        return _spec_mod.select_by_draft_scores(sel, draft_tokens, scores)
+    def selector(self, method: str):
+        if self.variant is None:
+            return super().selector(method)
+        variant = self.variant
+
+        def select(sel: Selection, model=None) -> torch.Tensor:
+            draft_tokens = render(sel.prompt, self.draft_tokenizer)
+            scores = self._static_scores(draft_tokens) if variant == "static" else self._deviation_scores(draft_tokens)
+            return select_by_draft_scores(sel, draft_tokens, scores)
+
+        return recompute_picked(select)
 
     def _static_scores(self, draft_tokens: TokenizedPrompt) -> torch.Tensor:
         scores = torch.zeros(len(draft_tokens))

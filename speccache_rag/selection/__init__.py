@@ -1,15 +1,12 @@
-"""Which reusable tokens the target recomputes: one module per method family.
+"""Which reusable tokens the target recomputes: one module per method family, each registering itself.
 
-Every selector returns positions among ``Selection.reusable`` (tokens whose KV came from the
-store), at most ``Selection.budget`` of them; the engine always adds the tokens that have no
-cached KV (template text, question, store misses).
+Every selector chooses positions among ``Selection.reusable`` (tokens whose KV came from the store),
+at most ``Selection.budget`` of them; the tokens that have no cached KV (template text, question,
+store misses) are always recomputed. ``SELECTORS[method]`` runs one.
 """
-from .base import Selection, budget_for, top_positions
-from .cacheblend import cacheblend_prefill
-from .oracle import oracle_select
-from .question_attention import qattn_prefill
-from .speculative import speculative_select
-from .static import epic_select, random_select
+from .base import Selection, budget_for, hidden_states, top_positions
+from .registry import SELECTORS, blend_selector, position_selector
+from . import cacheblend, oracle, question_attention, speculative, static  # noqa: F401  (they register)
 
-__all__ = ["Selection", "budget_for", "top_positions", "cacheblend_prefill", "oracle_select", "qattn_prefill",
-           "speculative_select", "epic_select", "random_select"]
+__all__ = ["SELECTORS", "Selection", "blend_selector", "budget_for", "hidden_states", "position_selector",
+           "top_positions"]

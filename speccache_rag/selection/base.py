@@ -1,23 +1,38 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from ..config import ReuseConfig
-from ..prompt import TokenizedPrompt
+from ..prompt import RAGPrompt, TokenizedPrompt
+from ..runner import full_prefill
+
+
+def hidden_states(model, token_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Residual stream after every layer of a plain prefill: layer → [N, hidden]."""
+    capture: dict[int, torch.Tensor] = {}
+    full_prefill(model, token_ids, capture=capture)
+    return capture
 
 
 @dataclass
 class Selection:
-    """What a selector sees: the target's tokenized prompt, which positions hold reused KV, the budget."""
+    """What a selector sees: the target's tokenized prompt, which positions hold reused KV, the budget,
+    and for draft-scored methods the prompt itself and the draft."""
 
     tokens: TokenizedPrompt
     reusable: torch.Tensor          # bool [N]: KV loaded from the store
     budget: int                     # how many reusable positions may be recomputed
     config: ReuseConfig
-    timings: dict[str, float] = field(default_factory=dict)   # filled by selectors, e.g. draft_forward_s
+    prompt: RAGPrompt | None = None
+    draft: object = None
+    draft_tokenizer: object = None
+    # (model, token ids [N]) → {layer: residual [N, hidden]}; the bench swaps in a memoized one
+    hidden_states: Callable[[object, torch.Tensor], dict[int, torch.Tensor]] = hidden_states
+    timings: dict[str, float] = field(default_factory=dict)   # select_s, draft_forward_s
 
     @property
     def reusable_positions(self) -> torch.Tensor:

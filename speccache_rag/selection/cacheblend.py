@@ -5,8 +5,10 @@ import torch
 
 from ..runner import KVCache, embed, logits, run_layers
 from .base import Selection, top_positions
+from .registry import blend_selector
 
 
+@blend_selector("cacheblend")
 @torch.inference_mode()
 def cacheblend_prefill(model, cache: KVCache, sel: Selection, always: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Blend ``cache`` (reused chunks loaded) in place → (last-token logits, positions recomputed past layer c).

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from ..runner import full_prefill
 from .base import Selection, deep_layer_norms, top_positions
+from .registry import position_selector
 
 
+@position_selector("oracle")
 def oracle_select(sel: Selection, model) -> torch.Tensor:
-    capture: dict[int, torch.Tensor] = {}
-    full_prefill(model, sel.tokens.ids, capture=capture)
+    capture = sel.hidden_states(model, sel.tokens.ids)
     scores = deep_layer_norms(capture, model.config.num_hidden_layers, sel.config.draft_layers)
     return top_positions(scores, sel.reusable_positions, sel.budget)

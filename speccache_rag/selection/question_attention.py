@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ..runner import KVCache, prefill
 from .base import Selection, top_positions
+from .registry import blend_selector
 
 
 def scored_layers(num_layers: int, span: tuple[float, float]) -> range:
@@ -57,6 +58,7 @@ def question_rows(sel: Selection, always: torch.Tensor) -> torch.Tensor:
     return (always >= chunks[-1].end).nonzero().flatten()
 
 
+@blend_selector("qattn")
 @torch.inference_mode()
 def qattn_prefill(model, cache: KVCache, sel: Selection, always: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Blend ``cache`` (reused chunks loaded) in place → (last-token logits, positions recomputed at least once)."""

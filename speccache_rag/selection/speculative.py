@@ -11,15 +11,14 @@ import time
 
 import torch
 
-from ..prompt import RAGPrompt, TokenizedPrompt, render
-from ..runner import full_prefill
-from .base import Selection, budget_for, deep_layer_norms
+from ..prompt import TokenizedPrompt, render
+from .base import Selection, budget_for, deep_layer_norms, hidden_states
+from .registry import position_selector
 
 
-def score(draft, draft_tokens: TokenizedPrompt, fraction: float) -> torch.Tensor:
+def score(draft, draft_tokens: TokenizedPrompt, fraction: float, states=hidden_states) -> torch.Tensor:
     """Step 1: importance of every draft token = mean deep-layer residual norm (pre-final-norm) → [Nd]."""
-    capture: dict[int, torch.Tensor] = {}
-    full_prefill(draft, draft_tokens.ids, capture=capture)
+    capture = states(draft, draft_tokens.ids)
     return deep_layer_norms(capture, draft.config.num_hidden_layers, fraction).float()
 
 
@@ -89,10 +88,12 @@ def map_to_target(draft_tokens: TokenizedPrompt, target_tokens: TokenizedPrompt)
     return torch.cat(pairs_d), torch.cat(pairs_t)
 
 
-def speculative_select(sel: Selection, prompt: RAGPrompt, draft, draft_tokenizer) -> torch.Tensor:
-    draft_tokens = render(prompt, draft_tokenizer)
+@position_selector("speccache")
+def speculative_select(sel: Selection, model=None) -> torch.Tensor:
+    """The paper's method: the draft reads the whole prompt; its deep-layer norms choose the tokens."""
+    draft_tokens = render(sel.prompt, sel.draft_tokenizer)
     t = time.perf_counter()
-    scores = score(draft, draft_tokens, sel.config.draft_layers)
+    scores = score(sel.draft, draft_tokens, sel.config.draft_layers, sel.hidden_states)
     sel.timings["draft_forward_s"] = time.perf_counter() - t
     return select_by_draft_scores(sel, draft_tokens, scores)
 

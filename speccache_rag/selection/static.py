@@ -4,9 +4,17 @@ from __future__ import annotations
 import torch
 
 from .base import Selection
+from .registry import position_selector
 
 
-def epic_select(sel: Selection) -> torch.Tensor:
+@position_selector("reuse")
+def reuse_select(sel: Selection, model=None) -> torch.Tensor:
+    """Nothing: only the tokens without cached KV are computed (Prompt-Cache-style concatenation)."""
+    return sel.reusable_positions[:0]
+
+
+@position_selector("epic")
+def epic_select(sel: Selection, model=None) -> torch.Tensor:
     """The first k tokens of every reused chunk (EPIC / LegoLink); k fills the budget when unset."""
     chunks = [torch.arange(s.start, s.end) for s in sel.tokens.chunk_segments() if sel.reusable[s.start]]
     k = sel.config.epic_k
@@ -18,7 +26,8 @@ def epic_select(sel: Selection) -> torch.Tensor:
     return torch.cat(picked) if picked else torch.empty(0, dtype=torch.long)
 
 
-def random_select(sel: Selection) -> torch.Tensor:
+@position_selector("random")
+def random_select(sel: Selection, model=None) -> torch.Tensor:
     cand = sel.reusable_positions
     gen = torch.Generator().manual_seed(sel.config.seed)
     return cand[torch.randperm(cand.numel(), generator=gen)[: sel.budget]].sort().values

@@ -19,7 +19,8 @@ from ..config import ReuseConfig
 from ..kv import ChunkKV, chunk_key
 from ..prompt import RAGPrompt, Segment, TokenizedPrompt, render, tokenize_piece
 from ..runner import KVCache
-from ..selection import Selection, budget_for, epic_select, random_select, top_positions
+from ..selection import Selection, budget_for, top_positions
+from ..selection.static import epic_select, random_select
 from ..selection.speculative import score, select_by_draft_scores, speculative_select
 
 # Methods the vLLM worker can run ("oracle" needs a full target prefill with hidden-state capture
@@ -319,7 +320,8 @@ class Blender:
         if method == "speccache":
             draft, draft_tokenizer = self.draft
             if prompt is not None:                                  # rendered exactly as the torch engine does
-                return speculative_select(sel, prompt, draft, draft_tokenizer)
+                sel.prompt, sel.draft, sel.draft_tokenizer = prompt, draft, draft_tokenizer
+                return speculative_select(sel)
             return speculative_select_view(sel, draft_view(tokens, draft_tokenizer), draft)
         raise ValueError(f"method {method!r} is not available in the vLLM backend ({', '.join(VLLM_METHODS)})")
 

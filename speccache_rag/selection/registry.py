@@ -1,0 +1,51 @@
+"""Selectors by name: ``ReuseConfig(method=name)`` runs ``SELECTORS[name]``.
+
+A selector blends: given the cache holding the reused chunks, it recomputes what it chooses and
+returns ``(last-token logits, positions recomputed)``. Most methods only *choose* positions; they
+register with ``@position_selector`` and the recompute is done for them. A new method is one module
+that registers itself here; the engine, the CLI and the bench then all know it.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..runner import KVCache, prefill
+from .base import Selection
+
+Blend = Callable[[object, KVCache, Selection, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+SELECTORS: dict[str, Blend] = {}
+
+
+def blend_selector(name: str):
+    """Register ``fn(model, cache, sel, always) -> (logits, recomputed positions)`` as method ``name``."""
+    def register(fn: Blend) -> Blend:
+        SELECTORS[name] = fn
+        return fn
+    return register
+
+
+Pick = Callable[[Selection, object], torch.Tensor]
+
+
+def recompute_picked(pick: Pick) -> Blend:
+    """The blend of a selector that only picks positions: the picked ones and every always-recomputed one
+    go through the model."""
+    def blend(model, cache: KVCache, sel: Selection, always: torch.Tensor):
+        t = time.perf_counter()
+        chosen = pick(sel, model) if sel.budget else always[:0]
+        sel.timings["select_s"] = time.perf_counter() - t
+        recomputed = torch.cat([chosen, always]).unique()
+        return prefill(model, cache, sel.tokens.ids[recomputed], recomputed), recomputed
+    return blend
+
+
+def position_selector(name: str):
+    """Register ``fn(sel, model) -> positions`` (among ``sel.reusable``, at most ``sel.budget``) as method
+    ``name`` (see ``recompute_picked``)."""
+    def register(fn: Pick) -> Pick:
+        SELECTORS[name] = recompute_picked(fn)
+        return fn
+    return register
