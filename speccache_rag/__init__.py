@@ -1,8 +1,8 @@
 """speccache-rag: reuse precomputed chunk KV caches in RAG, repaired by speculative token selection."""
 from .config import GenerationConfig, ReuseConfig, StoreConfig
-from .engine import GenerationOutput, GenerationStats, SpecCacheEngine
+from .engine import GenerationOutput, GenerationStats, GenerationStream, SpecCacheEngine
 from .prompt import RAGPrompt
 
 __all__ = ["SpecCacheEngine", "RAGPrompt", "ReuseConfig", "GenerationConfig", "StoreConfig",
-           "GenerationOutput", "GenerationStats"]
+           "GenerationOutput", "GenerationStats", "GenerationStream"]
 __version__ = "0.1.0"

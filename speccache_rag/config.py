@@ -26,7 +26,7 @@ class ReuseConfig:
     tau_smooth: float = 0.4
     tau_cover: float = 0.7
     max_span: int = 16
-    qattn_layers: tuple[float, float] = (0.0, 1.0)   # qattn scores with these layers (fractions of depth)
+    qattn_layers: tuple[float, float] = (0.5, 1.0)   # qattn scores with the deeper half of the layers
     qattn_pool: int = 1                 # qattn: max-pool window over positions (1 = none)
     qattn_heads: str = "mean"           # qattn: "mean" or "max" over heads
     qattn_sink: int = 0                 # qattn: the first k tokens of every chunk are chosen first

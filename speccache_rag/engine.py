@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .config import GenerationConfig, ReuseConfig
+from .config import SINK_POLICIES, GenerationConfig, ReuseConfig
 from .hardware import configure_threads, dtype_name, resolve_dtype
 from .kv import ChunkKV, chunk_key, model_fingerprint
 from .prompt import RAGPrompt, TokenizedPrompt, render, tokenize_piece
@@ -82,8 +82,8 @@ class SpecCacheEngine:
         check_arch(target)
         if draft is not None:
             check_arch(draft)
-        if sink not in ("bos", "none"):
-            raise ValueError(f"sink must be 'bos' or 'none', got {sink!r}")
+        if sink not in SINK_POLICIES:
+            raise ValueError(f"sink must be one of {', '.join(SINK_POLICIES)}, got {sink!r}")
         self.target, self.tokenizer = target, tokenizer
         self.draft, self.draft_tokenizer = (draft, draft_tokenizer) if draft is not None else (target, tokenizer)
         self.store = open_store(store)

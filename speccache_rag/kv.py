@@ -28,10 +28,6 @@ class ChunkKV:
     meta: dict = field(default_factory=dict)   # JSON-serializable extras (text, fingerprint, ...)
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 

@@ -40,10 +40,6 @@ class KVCache:
         k = torch.zeros(shape, dtype=dtype)
         return cls(k=k, v=torch.zeros_like(k), k_pre=torch.zeros_like(k) if keep_pre_rope else None)
 
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[2]
-
 
 def check_arch(model) -> None:
     arch = model.config.model_type

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..hardware import dtype_name, native_bf16
-from ..prompt import RAGPrompt, render
+from ..prompt import RAGPrompt
 from .data import synthetic, tokenizer_counter
 from .methods import BenchEngine, parse_method
 from .metrics import median

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import GenerationConfig, ReuseConfig
+from ..config import SINK_POLICIES, GenerationConfig, ReuseConfig
 from ..engine import GenerationOutput, GenerationStats, GenerationStream
 from ..hardware import dtype_name
 from ..kv import chunk_key
@@ -65,8 +65,8 @@ class VllmSpecCacheEngine:
 
         from ..models import load_tokenizer, resolve
 
-        if sink not in ("bos", "none"):
-            raise ValueError(f"sink must be 'bos' or 'none', got {sink!r}")
+        if sink not in SINK_POLICIES:
+            raise ValueError(f"sink must be one of {', '.join(SINK_POLICIES)}, got {sink!r}")
         self.model_dir = resolve(target)
         self.name = name or str(target)
         self.tokenizer = load_tokenizer(self.model_dir)

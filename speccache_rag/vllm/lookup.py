@@ -18,8 +18,6 @@ import types
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 from ..kv import KV_LAYOUT_VERSION, chunk_key, model_fingerprint
 from ..store import DiskStore, KVStore, open_store
 
@@ -179,6 +177,3 @@ def _common_prefix(prompt: list[int], start: int, ids: list[int]) -> int:
         j += 1
     return j
 
-
-def as_long(x) -> torch.Tensor:
-    return torch.as_tensor(x, dtype=torch.long)
