@@ -109,10 +109,11 @@ def test_selection_from_tokens_equals_the_torch_engines_selection():
     for seg in tokens.chunk_segments():
         reusable[seg.start:seg.end] = True
     reuse = ReuseConfig(method="speccache", recompute_ratio=0.15)
-    sel = Selection(tokens, reusable, budget_for(0.15, int(reusable.sum())), reuse)
+    sel = Selection(tokens, reusable, budget_for(0.15, int(reusable.sum())), reuse, prompt=prompt, draft=draft,
+                    draft_tokenizer=tok)
     rebuilt = segments_from_spans(tok, tokens.token_ids, [(s.start, s.end) for s in tokens.chunk_segments()])
     got = speculative_select_view(sel, draft_view(rebuilt, tok), draft)
-    assert got.tolist() == speculative_select(sel, prompt, draft, tok).tolist()
+    assert got.tolist() == speculative_select(sel).tolist()
     assert len(got) == sel.budget
 
 
@@ -375,3 +376,34 @@ def test_bench_reports_ratios_from_one_run(engine):
     for m in result["methods"].values():
         assert m["requests_per_s"] > 0 and m["ttft_median_s"] > 0 and m["ttft_p90_s"] >= m["ttft_median_s"]
     assert result["ratios"]["speccache_vs_full"]["ttft_median"] > 0
+
+
+@needs_vllm
+def test_eight_threads_on_the_in_process_engine_each_get_their_own_answer(engine):
+    """One driver thread steps vLLM; every caller waits on its own request's queue."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(RAGPrompt(chunks=[CHUNKS[i % 3], CHUNKS[(i + 1) % 3]], question=QUESTION),
+             ReuseConfig(method=("full", "reuse", "epic", "speccache")[i % 4], recompute_ratio=0.15)) for i in range(8)]
+    alone = [engine.generate(p, max_new_tokens=6, reuse=r) for p, r in jobs]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        together = list(pool.map(lambda job: engine.generate(job[0], max_new_tokens=6, reuse=job[1]), jobs))
+    for a, t in zip(alone, together):
+        assert t.token_ids == a.token_ids and t.stats.method == a.stats.method
+    # a stream yields only its own request's text, even with another request in flight
+    other = engine.stream(jobs[1][0], max_new_tokens=6, reuse=jobs[1][1])
+    mine = engine.stream(jobs[0][0], max_new_tokens=6, reuse=jobs[0][1])
+    assert "".join(mine) == alone[0].text and "".join(other) == alone[1].text
+
+
+@needs_vllm
+def test_bench_rag_workload_compares_prefix_caching_with_the_connector(engine):
+    from speccache_rag.vllm.bench import PREFIX_CACHE, rag_workload, run_bench
+
+    texts, prompts = rag_workload(engine.tokenizer, queries=4, corpus=8, chunks_per_request=3, chunk_tokens=120)
+    assert len(texts) == 8 and all(len(p.chunks) == 3 and set(p.chunks) <= set(texts) for p in prompts)
+    engine.precompute(texts)
+    result = run_bench(engine, prompts, max_new_tokens=2, methods=(PREFIX_CACHE, "speccache"))
+    assert result["methods"][PREFIX_CACHE]["cache_hits_mean"] == 0            # plain vLLM: no connector reuse
+    assert result["methods"]["speccache"]["cache_hits_mean"] == 3
+    assert result["ratios"][f"speccache_vs_{PREFIX_CACHE}"]["requests_per_s"] > 0

@@ -27,11 +27,8 @@ def _top(scores: torch.Tensor, candidates: torch.Tensor, fraction: float) -> set
 def draft_scores_on_target(draft_scores: torch.Tensor, draft_tokens: TokenizedPrompt,
                            target_tokens: TokenizedPrompt) -> torch.Tensor:
     """Draft token scores carried to target positions by character overlap (max); 0 where none overlap."""
-    out = torch.zeros(len(target_tokens))
-    for d, targets in map_to_target(draft_tokens, target_tokens).items():
-        for t in targets:
-            out[t] = max(float(out[t]), float(draft_scores[d]))
-    return out
+    pd, pt = map_to_target(draft_tokens, target_tokens)
+    return torch.zeros(len(target_tokens)).scatter_reduce(0, pt, draft_scores[pd].float(), "amax")
 
 
 def agreement(target_capture: dict[int, torch.Tensor], target_layers: int, target_tokens: TokenizedPrompt,

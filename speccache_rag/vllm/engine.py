@@ -13,10 +13,12 @@ other stored.
 from __future__ import annotations
 
 import os
+import queue
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -44,7 +46,8 @@ class _Pending:
     total_s: float = 0.0
     text: str = ""
     output: object = None
-    pieces: list[str] = field(default_factory=list)
+    finished: bool = False
+    events: queue.Queue | None = None    # (request, new text | exception), fed by the driver thread
 
 
 class VllmSpecCacheEngine:
@@ -98,6 +101,12 @@ class VllmSpecCacheEngine:
                     os.environ[k] = v
         self._defaults = (method, recompute_ratio)
         self._inflight: dict[str, _Pending] = {}
+        # LLMEngine is not thread-safe: one driver thread steps it; callers add and abort under this lock
+        # and wait on their own requests' queues.
+        self._lock = threading.Condition()
+        self._closing = False
+        self._driver = threading.Thread(target=self._drive_engine, name="speccache-vllm-driver", daemon=True)
+        self._driver.start()
 
     # ---- ingestion ------------------------------------------------------------------------------
     def precompute(self, texts: Iterable[str], progress: bool = False) -> list[str]:
@@ -118,13 +127,14 @@ class VllmSpecCacheEngine:
             if key not in todo and not self.store.contains(key):
                 todo[key] = ids
         bar = tqdm(total=len(todo), desc="precompute KV (vLLM)", unit="chunk", disable=not progress)
-        pending = []
+        pending, events = [], queue.Queue()
         for key, ids in todo.items():
             s = len(self._sink_ids)
             params = {"op": "precompute", "span": [s, s + len(ids)], "tag": uuid.uuid4().hex}
             sp = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": {PARAMS_KEY: params}})
             prompt = {"prompt_token_ids": self._sink_ids + ids + ids[-1:]}
-            pending.append(self._add(prompt, sp, params["tag"], "precompute", len(prompt["prompt_token_ids"])))
+            pending.append(self._add(prompt, sp, params["tag"], "precompute", len(prompt["prompt_token_ids"]),
+                                     events=events))
         for p, _ in self._drive(pending):
             if p.output is not None and p.output.finished:
                 bar.update(1)
@@ -155,12 +165,14 @@ class VllmSpecCacheEngine:
 
     def _pieces(self, stream: GenerationStream, pending: _Pending) -> Iterator[str]:
         try:
-            for p, piece in self._drive([pending]):
-                if p is pending and piece:
+            for _, piece in self._drive([pending]):
+                if piece:
                     yield piece
         finally:
-            if self._inflight.pop(pending.request_id, None) is not None and self.engine is not None:
-                self.engine.abort_request([pending.request_id])     # the caller stopped reading early
+            if not pending.finished:                                 # the caller stopped reading early
+                with self._lock:
+                    if self._inflight.pop(pending.request_id, None) is not None and self.engine is not None:
+                        self.engine.abort_request([pending.request_id])
         stream.output = self._result(pending)
 
     def generate_many(self, prompts: list[RAGPrompt], max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
@@ -174,15 +186,17 @@ class VllmSpecCacheEngine:
         ``salt_per_request=False``: the requests share the salt, so they hit each other's prefix blocks but
         none from before (the prefix-caching baseline of the benchmark).
         """
+        events: queue.Queue = queue.Queue()
         pending = [self._submit(p, max_new_tokens, reuse, temperature, top_p, stop, seed, False, cache_salt,
-                                salt_per_request) for p in prompts]
+                                salt_per_request, events) for p in prompts]
         for _ in self._drive(pending):
             pass
         return [self._result(p) for p in pending]
 
     # ---- internals ------------------------------------------------------------------------------
     def _submit(self, prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, want_logits,
-                cache_salt: str | None = None, salt_per_request: bool = True) -> _Pending:
+                cache_salt: str | None = None, salt_per_request: bool = True,
+                events: queue.Queue | None = None) -> _Pending:
         from vllm import SamplingParams
 
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
@@ -206,39 +220,66 @@ class VllmSpecCacheEngine:
         request = {"prompt_token_ids": tokens.token_ids}
         if cache_salt:
             request["cache_salt"] = f"{cache_salt}:{tag}" if salt_per_request else cache_salt
-        return self._add(request, sp, tag, reuse.method, len(tokens), start, want_logits)
+        return self._add(request, sp, tag, reuse.method, len(tokens), start, want_logits, events)
 
     def _add(self, prompt: dict, sp, tag: str, method: str, n: int, start: float | None = None,
-             want_logits: bool = False) -> _Pending:
+             want_logits: bool = False, events: queue.Queue | None = None) -> _Pending:
         request_id = f"speccache-{tag}"
-        p = _Pending(request_id, tag, method, n, start if start is not None else time.perf_counter(), want_logits)
-        self.engine.add_request(request_id, prompt, sp)
-        self._inflight[request_id] = p
+        p = _Pending(request_id, tag, method, n, start if start is not None else time.perf_counter(), want_logits,
+                     events=events or queue.Queue())
+        with self._lock:
+            if self.engine is None:
+                raise RuntimeError("the engine is closed")
+            self.engine.add_request(request_id, prompt, sp)
+            self._inflight[request_id] = p
+            self._lock.notify()
         return p
 
-    def _drive(self, pending: list[_Pending]) -> Iterator[tuple[_Pending, str]]:
-        """Step the engine until every request in ``pending`` has finished; yields (request, new text)."""
-        waiting = {p.request_id for p in pending}
-        while waiting:
-            if not self.engine.has_unfinished_requests():
-                raise RuntimeError(f"vLLM dropped {len(waiting)} request(s)")
-            for out in self.engine.step():
-                p = self._inflight.get(out.request_id)
-                if p is None:
+    def _drive_engine(self) -> None:
+        """The driver thread: step the engine while requests are in flight; hand each output to its request."""
+        while True:
+            with self._lock:
+                while not self._inflight and not self._closing:
+                    self._lock.wait()
+                if self._closing:
+                    return
+                try:
+                    if not self.engine.has_unfinished_requests():
+                        raise RuntimeError(f"vLLM dropped {len(self._inflight)} request(s)")
+                    outs = self.engine.step()
+                except Exception as e:        # every waiting caller gets the error, none hangs
+                    for p in self._inflight.values():
+                        p.events.put((p, e))
+                    self._inflight.clear()
                     continue
                 now = time.perf_counter()
-                o = out.outputs[0] if out.outputs else None
-                if o is not None and p.ttft_s is None and len(o.token_ids) > 0:
-                    p.ttft_s = now - p.start
-                p.output = out
-                piece = ""
-                if o is not None and len(o.text) > len(p.text):
-                    piece, p.text = o.text[len(p.text):], o.text
-                if out.finished:
-                    p.total_s = now - p.start
-                    self._inflight.pop(out.request_id, None)
-                    waiting.discard(out.request_id)
-                yield p, piece
+                for out in outs:
+                    p = self._inflight.get(out.request_id)
+                    if p is None:
+                        continue
+                    o = out.outputs[0] if out.outputs else None
+                    if o is not None and p.ttft_s is None and len(o.token_ids) > 0:
+                        p.ttft_s = now - p.start
+                    p.output = out
+                    piece = ""
+                    if o is not None and len(o.text) > len(p.text):
+                        piece, p.text = o.text[len(p.text):], o.text
+                    if out.finished:
+                        p.total_s, p.finished = now - p.start, True
+                        self._inflight.pop(out.request_id, None)
+                    p.events.put((p, piece))
+
+    def _drive(self, pending: list[_Pending]) -> Iterator[tuple[_Pending, str]]:
+        """Wait for the requests in ``pending`` (sharing one events queue) to finish; yields (request, new text)."""
+        waiting = {p.request_id for p in pending if not p.finished}
+        events = pending[0].events if pending else None
+        while waiting:
+            p, item = events.get()
+            if isinstance(item, Exception):
+                raise RuntimeError(f"vLLM failed while serving request {p.request_id}") from item
+            if p.finished:
+                waiting.discard(p.request_id)
+            yield p, item
 
     def _result(self, p: _Pending) -> GenerationOutput:
         from .connector import pop_report
@@ -265,6 +306,12 @@ class VllmSpecCacheEngine:
         return result
 
     def close(self) -> None:
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            with lock:
+                self._closing = True
+                lock.notify_all()
+            self._driver.join()
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             for target in (engine, getattr(engine, "engine_core", None)):
