@@ -27,7 +27,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--draft", default=None, help="draft model (default: the target scores itself)")
     p.add_argument("--store", default="./.speccache/kv", help="KV store: a directory, memory:// or redis://…")
-    p.add_argument("--method", default="speccache")
+    p.add_argument("--method", default="qattn", help="reuse method (default: qattn; speccache runs the draft)")
     p.add_argument("--recompute-ratio", type=float, default=0.15)
     p.add_argument("--top-k", type=int, default=3)
     p.add_argument("--chunk-size", type=int, default=256, help="splitter chunk size in tokens")

@@ -17,7 +17,7 @@ class ReuseConfig:
     of the tokens that are always recomputed (prefix, separators, question, store misses).
     """
 
-    method: str = "speccache"
+    method: str = "qattn"               # chosen by evidence: docs/benchmarks.md
     recompute_ratio: float = 0.15
     epic_k: int | None = None           # None: chosen so that the budget equals recompute_ratio
     cacheblend_check_layer: int = 1     # layers 0..check_layer run over every token

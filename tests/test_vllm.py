@@ -293,14 +293,15 @@ def test_precompute_through_vllm_shares_the_torch_engines_store(engine, kv_dir):
 
 
 @needs_vllm
-def test_golden_ratio_one_through_the_connector_equals_plain_vllm(engine, prompt, full):
-    blended = engine.generate(prompt, max_new_tokens=16, reuse=ReuseConfig(method="speccache", recompute_ratio=1.0))
+@pytest.mark.parametrize("method", ["speccache", "qattn", "cacheblend", "epic"])
+def test_golden_ratio_one_through_the_connector_equals_plain_vllm(engine, prompt, full, method):
+    blended = engine.generate(prompt, max_new_tokens=16, reuse=ReuseConfig(method=method, recompute_ratio=1.0))
     assert blended.stats.cache_hits == len(CHUNKS) and blended.stats.cache_misses == 0
     assert blended.stats.recomputed_tokens == blended.stats.prompt_tokens
     assert blended.token_ids == full.token_ids and blended.text == full.text
     # the whole first-token distribution, as log-probabilities
     a = engine.generate(prompt, max_new_tokens=1, reuse=ReuseConfig(method="full"), return_first_logits=True)
-    b = engine.generate(prompt, max_new_tokens=1, reuse=ReuseConfig(method="speccache", recompute_ratio=1.0),
+    b = engine.generate(prompt, max_new_tokens=1, reuse=ReuseConfig(method=method, recompute_ratio=1.0),
                         return_first_logits=True)
     assert a.first_logits.shape == b.first_logits.shape and a.first_logits.isfinite().all()
     torch.testing.assert_close(b.first_logits, a.first_logits, atol=2e-3, rtol=1e-4)

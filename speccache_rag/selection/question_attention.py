@@ -50,6 +50,17 @@ def pool(scores: torch.Tensor, window: int) -> torch.Tensor:
     return F.max_pool1d(scores[None, None], window, stride=1, padding=window // 2)[0, 0, : scores.numel()]
 
 
+def qattn_scores(probe: QuestionAttention, sel: Selection) -> torch.Tensor:
+    """The probe's scores, pooled, with each chunk's first ``qattn_sink`` tokens (its private attention
+    sink, as EPIC keeps) ahead of every other token."""
+    cfg = sel.config
+    scores = pool(probe.scores, cfg.qattn_pool)
+    if cfg.qattn_sink:
+        for seg in sel.tokens.chunk_segments():
+            scores[seg.start:seg.start + cfg.qattn_sink] += 1e3
+    return scores
+
+
 def question_rows(sel: Selection, always: torch.Tensor) -> torch.Tensor:
     """Of the always-recomputed positions, the indices of those after the last chunk (question, suffix)."""
     chunks = sel.tokens.chunk_segments()
@@ -71,11 +82,7 @@ def qattn_prefill(model, cache: KVCache, sel: Selection, always: torch.Tensor) -
     probe = QuestionAttention(rows, always[rows], scored_layers(model.config.num_hidden_layers, cfg.qattn_layers),
                               attn.scaling, len(sel.tokens), cfg.qattn_heads)
     prefill(model, cache, ids[always], always, observe=probe)
-    scores = pool(probe.scores, cfg.qattn_pool)
-    if cfg.qattn_sink:   # each chunk's first tokens, its private attention sink, come first (as EPIC's do)
-        for seg in sel.tokens.chunk_segments():
-            scores[seg.start:seg.start + cfg.qattn_sink] += 1e3
-    chosen = top_positions(scores, sel.reusable_positions, sel.budget)
+    chosen = top_positions(qattn_scores(probe, sel), sel.reusable_positions, sel.budget)
     # Recomputed tokens before the first chosen one read nothing stale: their first pass is final.
     again = torch.cat([chosen, always[always > chosen[0]]]).unique()
     logits = prefill(model, cache, ids[again], again)

@@ -15,6 +15,8 @@ which only vLLM itself loads.
 """
 from __future__ import annotations
 
+from ..config import ReuseConfig
+
 CONNECTOR_NAME = "SpecCacheConnector"
 CONNECTOR_MODULE = "speccache_rag.vllm.connector"
 PARAMS_KEY = "speccache"          # kv_transfer_params = {"speccache": {...}}
@@ -32,7 +34,7 @@ def require_vllm():
     return vllm
 
 
-def kv_transfer_config(store: str, draft: str | None = None, method: str = "speccache",
+def kv_transfer_config(store: str, draft: str | None = None, method: str = ReuseConfig.method,
                        recompute_ratio: float = 0.15, **extra) -> dict:
     """The ``--kv-transfer-config`` dictionary that turns SpecCache on in ``vllm serve`` / ``vllm.LLM``.
 

@@ -20,12 +20,13 @@ from ..kv import ChunkKV, chunk_key
 from ..prompt import RAGPrompt, Segment, TokenizedPrompt, render, tokenize_piece
 from ..runner import KVCache
 from ..selection import Selection, budget_for, top_positions
+from ..selection.question_attention import QuestionAttention, qattn_scores, question_rows, scored_layers
 from ..selection.static import epic_select, random_select
 from ..selection.speculative import score, select_by_draft_scores, speculative_select
 
 # Methods the vLLM worker can run ("oracle" needs a full target prefill with hidden-state capture
 # through HF modules: analysis only, torch backend).
-VLLM_METHODS = ("reuse", "epic", "cacheblend", "speccache", "random")
+VLLM_METHODS = ("reuse", "epic", "cacheblend", "speccache", "qattn", "random")
 
 
 class Unsupported(RuntimeError):
@@ -78,7 +79,7 @@ def rotate(model, k_pre: torch.Tensor, positions: torch.Tensor, layer: int = 0) 
 
 
 def run_layers(model, cache: KVCache, h: torch.Tensor, positions: torch.Tensor, layers: range | None = None,
-               capture: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+               capture: dict[int, torch.Tensor] | None = None, observe=None) -> torch.Tensor:
     """``runner.run_layers`` over vLLM modules: h [S, hidden] at sorted ``positions`` [S] → h after ``layers``."""
     blocks = model.model.layers
     layers = range(len(blocks)) if layers is None else layers
@@ -98,8 +99,11 @@ def run_layers(model, cache: KVCache, h: torch.Tensor, positions: torch.Tensor, 
         q, k = attn.rotary_emb(positions, q, k)
         cache.k[i][:, positions] = k.view(S, -1, d).transpose(0, 1)
         cache.v[i][:, positions] = v.reshape(S, -1, d).transpose(0, 1)
+        q = q.view(S, -1, d).transpose(0, 1)                                 # [H, S, D]
+        if observe is not None:
+            observe(i, q, cache.k[i, :, :num_keys])
         o = F.scaled_dot_product_attention(
-            q.view(S, -1, d).transpose(0, 1)[None], cache.k[i, :, :num_keys][None], cache.v[i, :, :num_keys][None],
+            q[None], cache.k[i, :, :num_keys][None], cache.v[i, :, :num_keys][None],
             attn_mask=mask, scale=attn.scaling, enable_gqa=True)[0]          # [H, S, D]
         out, _ = attn.o_proj(o.transpose(0, 1).reshape(S, -1))
         h = h + out
@@ -109,9 +113,9 @@ def run_layers(model, cache: KVCache, h: torch.Tensor, positions: torch.Tensor, 
     return h
 
 
-def prefill(model, cache: KVCache, token_ids: torch.Tensor, positions: torch.Tensor) -> None:
+def prefill(model, cache: KVCache, token_ids: torch.Tensor, positions: torch.Tensor, observe=None) -> None:
     if positions.numel():
-        run_layers(model, cache, model.model.embed_tokens(token_ids), positions)
+        run_layers(model, cache, model.model.embed_tokens(token_ids), positions, observe=observe)
 
 
 def chunk_kv_alone(model, sink_ids: list[int], ids: list[int], key: str, text: str) -> ChunkKV:
@@ -278,6 +282,9 @@ class Blender:
         if reuse.method == "cacheblend" and not precompute and reusable.any():
             recomputed = self._cacheblend(cache, sel, always, ids_t, m)
             report.recompute_s = time.perf_counter() - t
+        elif reuse.method == "qattn" and not precompute and sel.budget:
+            recomputed = self._qattn(cache, sel, always, ids_t, m)
+            report.recompute_s = time.perf_counter() - t
         else:
             chosen = self._select(sel, prompt, tokens) if not precompute else torch.empty(0, dtype=torch.long)
             report.draft_s = time.perf_counter() - t
@@ -340,6 +347,19 @@ class Blender:
         if inside.numel():
             run_layers(self.model, cache, h[inside], inside, layers=range(c + 1, layers))
         return keep
+
+    def _qattn(self, cache: KVCache, sel: Selection, always: torch.Tensor, ids: torch.Tensor, m: int):
+        """``selection.question_attention.qattn_prefill`` over vLLM modules, for positions [0, m)."""
+        inside = always[always < m]
+        rows = question_rows(sel, inside)
+        attn = self.model.model.layers[0].self_attn
+        probe = QuestionAttention(rows, inside[rows], scored_layers(len(self.model.model.layers), sel.config.qattn_layers),
+                                  attn.scaling, len(sel.tokens), sel.config.qattn_heads)
+        prefill(self.model, cache, ids[inside], inside, observe=probe)
+        chosen = top_positions(qattn_scores(probe, sel), sel.reusable_positions, sel.budget)
+        again = torch.cat([chosen, inside[inside > chosen[0]]]).unique()
+        prefill(self.model, cache, ids[again], again)
+        return torch.cat([chosen, always]).unique()
 
 
 __all__ = ["Blender", "BlendReport", "Unsupported", "VLLM_METHODS", "check_model", "slot_mapping"]

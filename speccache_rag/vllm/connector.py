@@ -90,7 +90,7 @@ class Options:
 
     store: str = "./.speccache/kv"
     draft: str | None = None             # None: the target scores itself (HF copy of the same weights)
-    method: str = "speccache"
+    method: str = ReuseConfig.method
     recompute_ratio: float = 0.15
     reuse: dict = field(default_factory=dict)
     sink: str = "bos"

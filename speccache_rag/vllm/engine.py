@@ -47,7 +47,7 @@ class _Pending:
     text: str = ""
     output: object = None
     finished: bool = False
-    events: queue.Queue | None = None    # (request, new text | exception), fed by the driver thread
+    events: queue.Queue | None = None    # (request, new text | exception, finished), fed by the driver thread
 
 
 class VllmSpecCacheEngine:
@@ -57,7 +57,7 @@ class VllmSpecCacheEngine:
 
     def __init__(self, target: str, draft: str | None = None, store: KVStore | str = "./.speccache/kv",
                  dtype: torch.dtype | str = "auto", sink: str = "bos", fill_misses: bool = True,
-                 method: str = "speccache", recompute_ratio: float = 0.15, max_model_len: int | None = None,
+                 method: str = ReuseConfig().method, recompute_ratio: float = 0.15, max_model_len: int | None = None,
                  kv_cache_gib: int | None = None, enforce_eager: bool = True, name: str | None = None,
                  connector_options: dict | None = None, **engine_kwargs):
         require_vllm()
@@ -102,8 +102,8 @@ class VllmSpecCacheEngine:
         self._defaults = (method, recompute_ratio)
         self._inflight: dict[str, _Pending] = {}
         # LLMEngine is not thread-safe: one driver thread steps it; callers add and abort under this lock
-        # and wait on their own requests' queues.
-        self._lock = threading.Condition()
+        # (reentrant, so a batch is added under one hold) and wait on their own requests' queues.
+        self._lock = threading.Condition(threading.RLock())
         self._closing = False
         self._driver = threading.Thread(target=self._drive_engine, name="speccache-vllm-driver", daemon=True)
         self._driver.start()
@@ -187,8 +187,9 @@ class VllmSpecCacheEngine:
         none from before (the prefix-caching baseline of the benchmark).
         """
         events: queue.Queue = queue.Queue()
-        pending = [self._submit(p, max_new_tokens, reuse, temperature, top_p, stop, seed, False, cache_salt,
-                                salt_per_request, events) for p in prompts]
+        with self._lock:                    # all submitted before the driver's next step: they blend together
+            pending = [self._submit(p, max_new_tokens, reuse, temperature, top_p, stop, seed, False, cache_salt,
+                                    salt_per_request, events) for p in prompts]
         for _ in self._drive(pending):
             pass
         return [self._result(p) for p in pending]
@@ -249,7 +250,7 @@ class VllmSpecCacheEngine:
                     outs = self.engine.step()
                 except Exception as e:        # every waiting caller gets the error, none hangs
                     for p in self._inflight.values():
-                        p.events.put((p, e))
+                        p.events.put((p, e, True))
                     self._inflight.clear()
                     continue
                 now = time.perf_counter()
@@ -267,17 +268,17 @@ class VllmSpecCacheEngine:
                     if out.finished:
                         p.total_s, p.finished = now - p.start, True
                         self._inflight.pop(out.request_id, None)
-                    p.events.put((p, piece))
+                    p.events.put((p, piece, out.finished))
 
     def _drive(self, pending: list[_Pending]) -> Iterator[tuple[_Pending, str]]:
         """Wait for the requests in ``pending`` (sharing one events queue) to finish; yields (request, new text)."""
-        waiting = {p.request_id for p in pending if not p.finished}
+        waiting = {p.request_id for p in pending}
         events = pending[0].events if pending else None
         while waiting:
-            p, item = events.get()
+            p, item, finished = events.get()
             if isinstance(item, Exception):
                 raise RuntimeError(f"vLLM failed while serving request {p.request_id}") from item
-            if p.finished:
+            if finished:
                 waiting.discard(p.request_id)
             yield p, item
 

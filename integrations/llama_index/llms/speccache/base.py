@@ -79,7 +79,8 @@ class SpecCacheLLM(LLM):
     dtype: str = Field(default="auto", description="Compute dtype: auto (bfloat16 where the hardware computes it "
                        "natively, else float32), bfloat16 or float32.")
     max_new_tokens: int = Field(default=64, gt=0, description="Tokens to generate at most.")
-    method: str = Field(default="speccache", description="Reuse method: speccache, cacheblend, epic, reuse, full …")
+    method: str = Field(default=ReuseConfig().method,
+                        description="Reuse method: qattn, speccache, cacheblend, epic, reuse, full …")
     recompute_ratio: float = Field(default=0.15, ge=0.0, le=1.0,
                                    description="Share of reused chunk tokens recomputed.")
     temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
