@@ -1,6 +1,7 @@
 """speccache-rag: reuse precomputed chunk KV caches in RAG, repaired by speculative token selection."""
 from .config import GenerationConfig, ReuseConfig, StoreConfig
-from .engine import GenerationOutput, GenerationStats, GenerationStream, SpecCacheEngine
+from .engine import SpecCacheEngine
+from .output import GenerationOutput, GenerationStats, GenerationStream
 from .prompt import RAGPrompt
 
 __all__ = ["SpecCacheEngine", "RAGPrompt", "ReuseConfig", "GenerationConfig", "StoreConfig",

@@ -3,71 +3,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
 
 import torch
 
 from .config import SINK_POLICIES, GenerationConfig, ReuseConfig
 from .hardware import configure_threads, dtype_name, resolve_dtype
 from .kv import ChunkKV, chunk_key, model_fingerprint
-from .prompt import RAGPrompt, TokenizedPrompt, render, tokenize_piece
+from .output import GenerationOutput, GenerationStats, GenerationStream
+from .prompt import RAGPrompt, TokenizedPrompt, render, sink_token_ids, tokenize_piece
 from .rope import rotate_keys
 from .runner import KVCache, check_arch, decode_one, full_prefill, prefill
 from .sampling import StopTextBuffer, sample
 from .selection import SELECTORS, Selection, budget_for, hidden_states
 from .store import KVStore, open_store
-
-
-@dataclass
-class GenerationStats:
-    method: str
-    prompt_tokens: int
-    dtype: str = ""                 # the target's compute dtype
-    reused_tokens: int = 0
-    recomputed_tokens: int = 0
-    cache_hits: int = 0
-    cache_misses: int = 0
-    generated_tokens: int = 0
-    ttft_s: float = 0.0
-    total_s: float = 0.0
-    load_s: float = 0.0             # store reads + key rotation
-    draft_s: float = 0.0            # choosing what to recompute (draft prefill for speccache)
-    draft_forward_s: float = 0.0    # of which the draft model's forward pass
-    recompute_s: float = 0.0        # target prefill of the recomputed tokens
-    first_decode_s: float = 0.0     # logits → first token
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class GenerationOutput:
-    text: str
-    token_ids: list[int]
-    stats: GenerationStats
-    finish_reason: str = "length"   # "stop" (EOS or stop string) or "length"
-    first_logits: torch.Tensor | None = field(default=None, repr=False)
-
-
-class GenerationStream(Iterator[str]):
-    """Text pieces of one generation as they are decoded; ``output`` is set once the last piece is out.
-
-    Nothing is computed until the first ``next()``; ``close()`` (or dropping it) stops generation."""
-
-    def __init__(self) -> None:
-        self.output: GenerationOutput | None = None
-        self._pieces: Iterator[str] = iter(())
-
-    def __iter__(self) -> "GenerationStream":
-        return self
-
-    def __next__(self) -> str:
-        return next(self._pieces)
-
-    def close(self) -> None:
-        close = getattr(self._pieces, "close", None)
-        if close is not None:
-            close()
 
 
 class SpecCacheEngine:
@@ -93,7 +41,7 @@ class SpecCacheEngine:
         self.fingerprint = model_fingerprint(target, tokenizer, sink)
         self.context_window = target.config.max_position_embeddings
         self.dtype = dtype_name(next(target.parameters()).dtype)
-        self._sink_ids = self._sink_token_ids()
+        self._sink_ids = sink_token_ids(tokenizer, sink)
         self._eos_ids = self._eos_token_ids()
 
     @classmethod
@@ -285,14 +233,6 @@ class SpecCacheEngine:
             if seg.chunk in missed:
                 ids = tokens.token_ids[seg.start:seg.end]
                 self.store.put(self.chunk_kv(ids, chunk_key(self.fingerprint, ids), seg.text))
-
-    def _sink_token_ids(self) -> list[int]:
-        if self.sink == "none":
-            return []
-        if self.tokenizer.bos_token_id is not None:
-            return [self.tokenizer.bos_token_id]
-        # No BOS (Qwen): the template's own first token plays the sink, as it does in real prompts.
-        return render(RAGPrompt(question="?"), self.tokenizer).token_ids[:1]
 
     def _eos_token_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id}

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from .engine import GenerationOutput
+from .output import GenerationOutput
 from .prompt import RAGPrompt
 
 ANCHOR_CHARS = 32                   # shorter chunks are matched only when a retrieval hint names them

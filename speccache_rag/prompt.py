@@ -75,6 +75,18 @@ def tokenize_piece(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int
     return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
 
 
+def sink_token_ids(tokenizer, sink: str = "bos") -> list[int]:
+    """The tokens a chunk is prefilled after when its KV is computed alone (their entries are dropped).
+
+    ``"bos"``: the BOS token, or where the tokenizer has none (Qwen) the template's own first token, which
+    plays the sink in real prompts; ``"none"``: nothing."""
+    if sink == "none":
+        return []
+    if tokenizer.bos_token_id is not None:
+        return [tokenizer.bos_token_id]
+    return render(RAGPrompt(question="?"), tokenizer).token_ids[:1]
+
+
 def render(prompt: RAGPrompt, tokenizer) -> TokenizedPrompt:
     """Render through the chat template and tokenize piece by piece, keeping chunk boundaries."""
     placeholders = [_PLACEHOLDER.format(i) for i in range(len(prompt.chunks))]

@@ -22,7 +22,7 @@ import torch
 
 from ..config import ReuseConfig
 from ..engine import SpecCacheEngine
-from ..prompt import RAGPrompt, TokenizedPrompt, render, tokenize_piece
+from ..prompt import RAGPrompt, TokenizedPrompt, render, sink_token_ids, tokenize_piece
 from ..runner import full_prefill
 from ..selection import Selection, hidden_states
 from ..selection.registry import recompute_picked
@@ -77,13 +77,6 @@ def parse_method(name: str) -> MethodSpec:
                      f"{', '.join(FAMILIES)} and R in [0, 1]")
 
 
-def sink_ids(tokenizer) -> list[int]:
-    """The token a chunk is prefilled after at ingestion (same rule as the engine's ``sink="bos"``)."""
-    if tokenizer.bos_token_id is not None:
-        return [tokenizer.bos_token_id]
-    return render(RAGPrompt(question="?"), tokenizer).token_ids[:1]
-
-
 def deep_layers(model, fraction: float) -> range:
     n = model.config.num_hidden_layers
     return range(n - max(1, round(n * fraction)), n)
@@ -102,14 +95,14 @@ class BenchEngine(SpecCacheEngine):
         self._static: dict[tuple[int, str], torch.Tensor] = {}
         self._alone: dict[tuple[int, str], torch.Tensor] = {}   # → [deep layers, n, hidden]
         self._memo: dict[tuple, dict[int, torch.Tensor]] | None = None
-        self._draft_sink = sink_ids(self.draft_tokenizer)
+        self._draft_sink = sink_token_ids(self.draft_tokenizer)
 
     def use_draft(self, draft, draft_tokenizer) -> None:
         """Score with another draft from now on (the target, its store, the memo and every draft's
         ingestion artifacts are kept), so the pairs of one target share its chunk caches, its full-prefill
         reference and its timing rounds."""
         self.draft, self.draft_tokenizer = draft, draft_tokenizer
-        self._draft_sink = sink_ids(draft_tokenizer)
+        self._draft_sink = sink_token_ids(draft_tokenizer)
 
     # ---- ingestion-time draft artifacts ------------------------------------------------------
     @torch.inference_mode()

@@ -10,7 +10,7 @@ from pathlib import Path
 from .data import PROSE_SOURCE
 from .methods import parse_method
 from .metrics import geomean, mean
-from .runner import RESULTS, SUITE_FILE, read_rows
+from .results import RESULTS, SUITE_FILE, read_rows
 
 REPORT = "report.md"
 

@@ -25,28 +25,8 @@ from ..prompt import RAGPrompt, render
 from .data import Example, load_longbench, prose_fingerprint, synthetic, tokenizer_counter
 from .methods import BenchEngine, MethodSpec, parse_method
 from .metrics import first_token_fidelity, median, rouge_l, task_scores
+from .results import RESULTS, SUITE_FILE, read_rows, row_key
 from .suites import Suite
-
-RESULTS = "results.jsonl"
-SUITE_FILE = "suite.json"
-
-
-def row_key(row: dict) -> tuple:
-    return (row["kind"], row["target"], row.get("draft"), row["example"], row.get("method"))
-
-
-def read_rows(path: Path) -> list[dict]:
-    """Rows of a results file; a torn last line (interrupted write) is ignored. Later rows win."""
-    rows: dict[tuple, dict] = {}
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            rows[row_key(row)] = row
-    return list(rows.values())
-
 
 class _Writer:
     def __init__(self, path: Path, done: set[tuple]):

@@ -17,9 +17,8 @@ from ..prompt import RAGPrompt
 from .data import synthetic, tokenizer_counter
 from .methods import BenchEngine, parse_method
 from .metrics import median
+from .results import RESULTS, SUITE_FILE
 from .suites import QWEN05, QWEN15, SMOL
-
-RESULTS = "results.jsonl"
 
 
 @dataclass
@@ -95,7 +94,7 @@ def run_ttft_suite(suite: TimingSuite, out: str | Path, progress: bool = True, c
     out.mkdir(parents=True, exist_ok=True)
     env = environment(command)
     env.update(dtype_auto=dtype_name("auto"), native_bf16=native_bf16("cpu"))
-    (out / "suite.json").write_text(json.dumps({"suite": asdict(suite), "environment": env}, indent=2))
+    (out / SUITE_FILE).write_text(json.dumps({"suite": asdict(suite), "environment": env}, indent=2))
     if loader is None:
         from ..models import load as loader
     rows: list[dict] = []

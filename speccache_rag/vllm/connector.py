@@ -49,7 +49,8 @@ from ..hardware import dtype_name
 from ..prompt import RAGPrompt
 from . import PARAMS_KEY
 from .blend import VLLM_METHODS, Blender, Unsupported, check_model, slot_mapping
-from .lookup import ChunkIndex, fingerprint_for, shared_store, sink_token_ids
+from ..prompt import sink_token_ids
+from .lookup import ChunkIndex, fingerprint_for, shared_store
 from .plugin import ARCHITECTURES
 
 if TYPE_CHECKING:

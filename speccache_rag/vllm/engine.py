@@ -23,13 +23,13 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SINK_POLICIES, GenerationConfig, ReuseConfig
-from ..engine import GenerationOutput, GenerationStats, GenerationStream
+from ..output import GenerationOutput, GenerationStats, GenerationStream
 from ..hardware import dtype_name
 from ..kv import chunk_key
-from ..prompt import RAGPrompt, render, tokenize_piece
+from ..prompt import RAGPrompt, render, sink_token_ids, tokenize_piece
 from ..store import KVStore
 from . import PARAMS_KEY, kv_transfer_config, require_vllm
-from .lookup import fingerprint_for, shared_store, sink_token_ids
+from .lookup import fingerprint_for, shared_store
 
 _STAT_FIELDS = ("reused_tokens", "recomputed_tokens", "cache_hits", "cache_misses", "load_s", "draft_s", "recompute_s")
 

@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import threading
-import types
 from collections import defaultdict
 from pathlib import Path
 
@@ -57,14 +56,6 @@ def fingerprint_for(model_dir: str, dtype: str, sink: str) -> str:
     except OSError:
         pass
     return fp
-
-
-def sink_token_ids(tokenizer, sink: str) -> list[int]:
-    """The tokens a chunk is prefilled after when its KV is computed (the torch engine's definition)."""
-    from ..engine import SpecCacheEngine
-
-    # One definition: the torch engine's method only reads ``sink`` and ``tokenizer``.
-    return SpecCacheEngine._sink_token_ids(types.SimpleNamespace(sink=sink, tokenizer=tokenizer))
 
 
 # ---- stores shared inside one process ------------------------------------------------------------
