@@ -61,6 +61,22 @@ def qattn_scores(probe: QuestionAttention, sel: Selection) -> torch.Tensor:
     return scores
 
 
+def question_probe(model, sel: Selection, recomputed: torch.Tensor) -> QuestionAttention:
+    """The probe for the first pass over ``recomputed`` (the always-recomputed positions): its question rows,
+    in the configured layers of ``model`` (HF or vLLM modules alike)."""
+    rows = question_rows(sel, recomputed)
+    layers = scored_layers(len(model.model.layers), sel.config.qattn_layers)
+    return QuestionAttention(rows, recomputed[rows], layers, model.model.layers[0].self_attn.scaling,
+                             len(sel.tokens), sel.config.qattn_heads)
+
+
+def second_pass(probe: QuestionAttention, sel: Selection, recomputed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """After the first pass → (chosen positions, positions to recompute again). Recomputed tokens before the
+    first chosen one read nothing stale: their first pass is final."""
+    chosen = top_positions(qattn_scores(probe, sel), sel.reusable_positions, sel.budget)
+    return chosen, torch.cat([chosen, recomputed[recomputed > chosen[0]]]).unique()
+
+
 def question_rows(sel: Selection, always: torch.Tensor) -> torch.Tensor:
     """Of the always-recomputed positions, the indices of those after the last chunk (question, suffix)."""
     chunks = sel.tokens.chunk_segments()
@@ -73,17 +89,11 @@ def question_rows(sel: Selection, always: torch.Tensor) -> torch.Tensor:
 @torch.inference_mode()
 def qattn_prefill(model, cache: KVCache, sel: Selection, always: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Blend ``cache`` (reused chunks loaded) in place → (last-token logits, positions recomputed at least once)."""
-    cfg = sel.config
     ids = sel.tokens.ids
     if sel.budget == 0:
         return prefill(model, cache, ids[always], always), always
-    rows = question_rows(sel, always)
-    attn = model.model.layers[0].self_attn
-    probe = QuestionAttention(rows, always[rows], scored_layers(model.config.num_hidden_layers, cfg.qattn_layers),
-                              attn.scaling, len(sel.tokens), cfg.qattn_heads)
+    probe = question_probe(model, sel, always)
     prefill(model, cache, ids[always], always, observe=probe)
-    chosen = top_positions(qattn_scores(probe, sel), sel.reusable_positions, sel.budget)
-    # Recomputed tokens before the first chosen one read nothing stale: their first pass is final.
-    again = torch.cat([chosen, always[always > chosen[0]]]).unique()
+    chosen, again = second_pass(probe, sel, always)
     logits = prefill(model, cache, ids[again], again)
     return logits, torch.cat([chosen, always]).unique()

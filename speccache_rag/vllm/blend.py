@@ -20,7 +20,7 @@ from ..kv import ChunkKV, chunk_key
 from ..prompt import RAGPrompt, Segment, TokenizedPrompt, render, tokenize_piece
 from ..runner import KVCache
 from ..selection import Selection, budget_for, top_positions
-from ..selection.question_attention import QuestionAttention, qattn_scores, question_rows, scored_layers
+from ..selection.question_attention import question_probe, second_pass
 from ..selection.static import epic_select, random_select
 from ..selection.speculative import score, select_by_draft_scores, speculative_select
 
@@ -351,13 +351,9 @@ class Blender:
     def _qattn(self, cache: KVCache, sel: Selection, always: torch.Tensor, ids: torch.Tensor, m: int):
         """``selection.question_attention.qattn_prefill`` over vLLM modules, for positions [0, m)."""
         inside = always[always < m]
-        rows = question_rows(sel, inside)
-        attn = self.model.model.layers[0].self_attn
-        probe = QuestionAttention(rows, inside[rows], scored_layers(len(self.model.model.layers), sel.config.qattn_layers),
-                                  attn.scaling, len(sel.tokens), sel.config.qattn_heads)
+        probe = question_probe(self.model, sel, inside)
         prefill(self.model, cache, ids[inside], inside, observe=probe)
-        chosen = top_positions(qattn_scores(probe, sel), sel.reusable_positions, sel.budget)
-        again = torch.cat([chosen, inside[inside > chosen[0]]]).unique()
+        chosen, again = second_pass(probe, sel, inside)
         prefill(self.model, cache, ids[again], again)
         return torch.cat([chosen, always]).unique()
 

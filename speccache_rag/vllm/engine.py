@@ -57,7 +57,7 @@ class VllmSpecCacheEngine:
 
     def __init__(self, target: str, draft: str | None = None, store: KVStore | str = "./.speccache/kv",
                  dtype: torch.dtype | str = "auto", sink: str = "bos", fill_misses: bool = True,
-                 method: str = ReuseConfig().method, recompute_ratio: float = 0.15, max_model_len: int | None = None,
+                 method: str = ReuseConfig.method, recompute_ratio: float = 0.15, max_model_len: int | None = None,
                  kv_cache_gib: int | None = None, enforce_eager: bool = True, name: str | None = None,
                  connector_options: dict | None = None, **engine_kwargs):
         require_vllm()
@@ -169,10 +169,9 @@ class VllmSpecCacheEngine:
                 if piece:
                     yield piece
         finally:
-            if not pending.finished:                                 # the caller stopped reading early
-                with self._lock:
-                    if self._inflight.pop(pending.request_id, None) is not None and self.engine is not None:
-                        self.engine.abort_request([pending.request_id])
+            with self._lock:                         # still in flight: the caller stopped reading early
+                if self._inflight.pop(pending.request_id, None) is not None and self.engine is not None:
+                    self.engine.abort_request([pending.request_id])
         stream.output = self._result(pending)
 
     def generate_many(self, prompts: list[RAGPrompt], max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
