@@ -8,13 +8,14 @@ import torch
 
 from .config import SINK_POLICIES, GenerationConfig, ReuseConfig
 from .hardware import configure_threads, dtype_name, resolve_dtype
+from .blend import Blender
 from .kv import ChunkKV, chunk_key, model_fingerprint
+from .layers import HFLayers
 from .output import GenerationOutput, GenerationStats, GenerationStream
 from .prompt import RAGPrompt, TokenizedPrompt, render, sink_token_ids, tokenize_piece
-from .rope import rotate_keys
-from .runner import KVCache, check_arch, decode_one, full_prefill, prefill
+from .runner import KVCache, decode_one
 from .sampling import StopTextBuffer, sample
-from .selection import SELECTORS, Selection, budget_for, hidden_states
+from .selection import SELECTORS, hidden_states
 from .store import KVStore, open_store
 
 
@@ -27,13 +28,11 @@ class SpecCacheEngine:
 
     def __init__(self, target, tokenizer, store: KVStore | str = "memory://", draft=None, draft_tokenizer=None,
                  sink: str = "bos", fill_misses: bool = True, name: str | None = None):
-        check_arch(target)
-        if draft is not None:
-            check_arch(draft)
         if sink not in SINK_POLICIES:
             raise ValueError(f"sink must be one of {', '.join(SINK_POLICIES)}, got {sink!r}")
-        self.target, self.tokenizer = target, tokenizer
+        self.target, self.tokenizer, self.ops = target, tokenizer, HFLayers(target)
         self.draft, self.draft_tokenizer = (draft, draft_tokenizer) if draft is not None else (target, tokenizer)
+        self.draft_ops = HFLayers(draft) if draft is not None else self.ops
         self.store = open_store(store)
         self.sink = sink
         self.fill_misses = fill_misses
@@ -41,7 +40,9 @@ class SpecCacheEngine:
         self.fingerprint = model_fingerprint(target, tokenizer, sink)
         self.context_window = target.config.max_position_embeddings
         self.dtype = dtype_name(next(target.parameters()).dtype)
-        self._sink_ids = sink_token_ids(tokenizer, sink)
+        self.blender = Blender(self.ops, self.store, self.fingerprint, sink_token_ids(tokenizer, sink),
+                               draft=lambda: (self.draft_ops, self.draft_tokenizer),
+                               hidden_states=self.hidden_states, selector=self.selector)
         self._eos_ids = self._eos_token_ids()
 
     @classmethod
@@ -83,14 +84,9 @@ class SpecCacheEngine:
             keys.append(key)
         return keys
 
-    @torch.inference_mode()
     def chunk_kv(self, token_ids: list[int], key: str, text: str) -> ChunkKV:
         """The chunk prefilled alone (after the sink token, whose entry is dropped), keys before RoPE."""
-        ids = torch.tensor(self._sink_ids + token_ids)
-        cache, _ = full_prefill(self.target, ids, keep_pre_rope=True)
-        skip = len(self._sink_ids)
-        return ChunkKV(key, token_ids, cache.k_pre[:, :, skip:].clone(), cache.v[:, :, skip:].clone(),
-                       meta={"text": text})
+        return self.blender.chunk_kv(token_ids, key, text)
 
     # ---- query ----------------------------------------------------------------------------------
     def generate(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
@@ -131,8 +127,9 @@ class SpecCacheEngine:
     def _run(self, stream: "GenerationStream", prompt: RAGPrompt, tokens: TokenizedPrompt, gen: GenerationConfig,
              reuse: ReuseConfig, return_first_logits: bool, start: float) -> Iterator[str]:
         stats = GenerationStats(method=reuse.method, prompt_tokens=len(tokens), dtype=self.dtype)
-        cache = KVCache.empty(self.target, len(tokens) + gen.max_new_tokens)
-        first_logits, missed = self._prefill(prompt, tokens, cache, reuse, stats)
+        cache = KVCache.empty(self.ops, len(tokens) + gen.max_new_tokens)
+        blended = self.blender.blend(tokens, cache, reuse, stats, prompt=prompt)
+        first_logits = blended.logits
 
         generator = torch.Generator().manual_seed(gen.seed) if gen.seed is not None else None
         t = time.perf_counter()
@@ -143,8 +140,8 @@ class SpecCacheEngine:
             yield from self._decode(stream, cache, len(tokens), next_id, generator, gen, stats, start,
                                     first_logits if return_first_logits else None)
         finally:   # also when the caller stops reading: the next request finds these chunks stored
-            if self.fill_misses and missed:
-                self._store_missed(tokens, missed)
+            if self.fill_misses and blended.missed:
+                self.blender.store_missed(tokens, blended.missed, stats)
 
     def _decode(self, stream: "GenerationStream", cache: KVCache, position: int, next_id: int, generator,
                 gen: GenerationConfig, stats: GenerationStats, start: float,
@@ -166,7 +163,7 @@ class SpecCacheEngine:
             if len(out_ids) >= gen.max_new_tokens:
                 break
             with torch.inference_mode():
-                step_logits = decode_one(self.target, cache, next_id, position)
+                step_logits = decode_one(self.ops, cache, next_id, position)
             position += 1
             next_id = sample(step_logits, gen.temperature, gen.top_p, generator)
         tail = buffer.flush()
@@ -176,63 +173,13 @@ class SpecCacheEngine:
         stats.total_s = time.perf_counter() - start
         stream.output = GenerationOutput(buffer.text, out_ids, stats, finish, first_logits)
 
-    def _prefill(self, prompt: RAGPrompt, tokens: TokenizedPrompt, cache: KVCache, reuse: ReuseConfig,
-                 stats: GenerationStats) -> tuple[torch.Tensor, list[int]]:
-        """Fill ``cache`` for the prompt by the chosen method → (last-token logits, chunk indices missed)."""
-        n = len(tokens)
-        if reuse.method == "full":
-            t = time.perf_counter()
-            logits = prefill(self.target, cache, tokens.ids, torch.arange(n))
-            stats.recompute_s, stats.recomputed_tokens = time.perf_counter() - t, n
-            return logits, []
-
-        t = time.perf_counter()
-        reusable, missed = self._load_chunks(tokens, cache, stats)
-        stats.load_s = time.perf_counter() - t
-        always = (~reusable).nonzero().flatten()
-        sel = Selection(tokens, reusable, budget_for(reuse.recompute_ratio, int(reusable.sum())), reuse,
-                        prompt=prompt, draft=self.draft, draft_tokenizer=self.draft_tokenizer,
-                        hidden_states=self.hidden_states)
-        t = time.perf_counter()
-        logits, recomputed = self.selector(reuse.method)(self.target, cache, sel, always)
-        stats.draft_s = sel.timings.get("select_s", 0.0)
-        stats.draft_forward_s = sel.timings.get("draft_forward_s", 0.0)
-        stats.recompute_s = time.perf_counter() - t - stats.draft_s
-        stats.recomputed_tokens = recomputed.numel()
-        stats.reused_tokens = n - stats.recomputed_tokens
-        return logits, missed
-
     def selector(self, method: str):
         """The blend that ``method`` names (``selection.SELECTORS``)."""
         return SELECTORS[method]
 
-    def hidden_states(self, model, token_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    def hidden_states(self, ops, token_ids: torch.Tensor) -> dict[int, torch.Tensor]:
         """Every layer's residual stream of a plain prefill of ``token_ids`` (draft scoring, oracle)."""
-        return hidden_states(model, token_ids)
-
-    def _load_chunks(self, tokens: TokenizedPrompt, cache: KVCache, stats: GenerationStats):
-        """Put every stored chunk's KV, rotated to its true positions, into the cache."""
-        reusable = torch.zeros(len(tokens), dtype=torch.bool)
-        missed = []
-        for seg in tokens.chunk_segments():
-            ids = tokens.token_ids[seg.start:seg.end]
-            entry = self.store.get(chunk_key(self.fingerprint, ids))
-            if entry is None or entry.token_ids != ids:
-                stats.cache_misses += 1
-                missed.append(seg.chunk)
-                continue
-            stats.cache_hits += 1
-            positions = torch.arange(seg.start, seg.end)
-            cache.k[:, :, seg.start:seg.end] = rotate_keys(self.target, entry.k.to(cache.k.dtype), positions)
-            cache.v[:, :, seg.start:seg.end] = entry.v.to(cache.v.dtype)
-            reusable[seg.start:seg.end] = True
-        return reusable, missed
-
-    def _store_missed(self, tokens: TokenizedPrompt, missed: list[int]) -> None:
-        for seg in tokens.chunk_segments():
-            if seg.chunk in missed:
-                ids = tokens.token_ids[seg.start:seg.end]
-                self.store.put(self.chunk_kv(ids, chunk_key(self.fingerprint, ids), seg.text))
+        return hidden_states(ops, token_ids)
 
     def _eos_token_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id}

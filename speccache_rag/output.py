@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -24,9 +24,24 @@ class GenerationStats:
     draft_forward_s: float = 0.0    # of which the draft model's forward pass
     recompute_s: float = 0.0        # target prefill of the recomputed tokens
     first_decode_s: float = 0.0     # logits → first token
+    stored_chunks: int = 0          # missed chunks computed alone and stored for the next prompt
+    fill_s: float = 0.0             # of which the time
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GenerationStats":
+        """The inverse of ``to_dict``; keys it does not know are ignored."""
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+
+    def line(self) -> str:
+        """One log line."""
+        share = self.recomputed_tokens / max(1, self.prompt_tokens)
+        return (f"method={self.method} prompt={self.prompt_tokens} reused={self.reused_tokens} "
+                f"recomputed={self.recomputed_tokens} ({share:.1%}) hits={self.cache_hits} misses={self.cache_misses} "
+                f"load={self.load_s:.3f}s draft={self.draft_s:.3f}s recompute={self.recompute_s:.3f}s"
+                + (f" stored={self.stored_chunks} fill={self.fill_s:.3f}s" if self.stored_chunks else ""))
 
 
 @dataclass

@@ -116,3 +116,45 @@ def render(prompt: RAGPrompt, tokenizer) -> TokenizedPrompt:
         cursor = m.end()
     add(text[cursor:], None)
     return TokenizedPrompt(token_ids, segments)
+
+
+def retokenize(tokens: TokenizedPrompt, tokenizer) -> TokenizedPrompt:
+    """The same segments read by another tokenizer: every segment's text tokenized on its own, so chunk
+    boundaries and character offsets line up (how a draft reads a prompt known only as target tokens)."""
+    ids: list[int] = []
+    segs: list[Segment] = []
+    for seg in tokens.segments:
+        piece, off = tokenize_piece(tokenizer, seg.text)
+        segs.append(Segment(len(ids), len(ids) + len(piece), seg.text, seg.chunk, off))
+        ids.extend(piece)
+    return TokenizedPrompt(ids, segs)
+
+
+def _piece(tokenizer, ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
+    """Text of a token run and each token's character span in it."""
+    text = tokenizer.decode(ids)
+    again, offsets = tokenize_piece(tokenizer, text)
+    if again == ids:
+        return text, offsets
+    offsets, prev = [], 0                                # incremental decode: exact spans for any run
+    for j in range(len(ids)):
+        end = len(tokenizer.decode(ids[: j + 1]))
+        offsets.append((min(prev, end), end))
+        prev = end
+    return text, offsets
+
+
+def segments_from_spans(tokenizer, token_ids: list[int], spans: list[tuple[int, int]]) -> TokenizedPrompt:
+    """A TokenizedPrompt over arbitrary prompt tokens: ``spans`` are the chunks, the rest template text."""
+    segs, cursor = [], 0
+    for idx, (s, e) in enumerate(spans):
+        if s > cursor:
+            text, off = _piece(tokenizer, token_ids[cursor:s])
+            segs.append(Segment(cursor, s, text, None, off))
+        text, off = _piece(tokenizer, token_ids[s:e])
+        segs.append(Segment(s, e, text, idx, off))
+        cursor = e
+    if cursor < len(token_ids):
+        text, off = _piece(tokenizer, token_ids[cursor:])
+        segs.append(Segment(cursor, len(token_ids), text, None, off))
+    return TokenizedPrompt(list(token_ids), segs)

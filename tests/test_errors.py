@@ -6,7 +6,7 @@ import pytest
 
 from speccache_rag import RAGPrompt, ReuseConfig, SpecCacheEngine
 from speccache_rag.kv import chunk_key
-from speccache_rag.models import tiny_random_model
+from tiny_models import tiny_random_model
 
 CHUNKS = ["Tollund Vane brews amber cider in the village of Harrowmere since 1911.",
           "Harrowmere lies two valleys west of Quendal, on the old salt road.",

@@ -4,9 +4,9 @@ import torch
 import torch.nn.functional as F
 
 from speccache_rag import RAGPrompt, ReuseConfig, SpecCacheEngine
-from speccache_rag.models import tiny_random_model
-from speccache_rag.rope import rotate_keys
+from speccache_rag.layers import HFLayers
 from speccache_rag.runner import KVCache, decode_one, full_prefill, prefill
+from tiny_models import tiny_random_model
 
 ALL_BUT_REUSE = ["full", "epic", "cacheblend", "speccache", "qattn", "random", "oracle"]
 
@@ -29,21 +29,23 @@ def test_runner_matches_transformers(arch):
     with torch.no_grad():
         ref = model(ids[None]).logits[0]
         ref_next = model(torch.cat([ids, torch.tensor([7])])[None]).logits[0, -1]
-    cache, last = full_prefill(model, ids, capacity=41)
+    ops = HFLayers(model)
+    cache, last = full_prefill(ops, ids, capacity=41)
     torch.testing.assert_close(last, ref[-1], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(decode_one(model, cache, 7, 40), ref_next, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(decode_one(ops, cache, 7, 40), ref_next, atol=1e-5, rtol=1e-5)
 
 
 def test_blend_of_scattered_subset_is_causal_by_true_position():
     """Recomputing positions {0..9} ∪ {20..29} over a cache whose other entries are exact gives exact logits."""
     model, _ = tiny_random_model("llama", tokenizer=_FakeTok())
     ids = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(1))
-    exact, ref = full_prefill(model, ids)
+    ops = HFLayers(model)
+    exact, ref = full_prefill(ops, ids)
     cache = KVCache(exact.k.clone(), exact.v.clone())
     subset = torch.cat([torch.arange(0, 10), torch.arange(20, 30)])
     cache.k[:, :, subset] = 0
     cache.v[:, :, subset] = 0
-    out = prefill(model, cache, ids[subset], subset)
+    out = prefill(ops, cache, ids[subset], subset)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(cache.k, exact.k, atol=1e-5, rtol=1e-5)
 
@@ -52,15 +54,16 @@ def test_rotating_pre_rope_keys_equals_model_keys_at_position(smollm2):
     """A chunk's stored pre-RoPE keys, rotated to p.., equal the model's own keys for it at p.."""
     model, tok = smollm2
     ids = torch.tensor(tok(CHUNKS[0], add_special_tokens=False)["input_ids"])
-    stored, _ = full_prefill(model, ids, keep_pre_rope=True)
+    ops = HFLayers(model)
+    stored, _ = full_prefill(ops, ids, keep_pre_rope=True)
     p = 137
     with torch.no_grad():
         past = model(ids[None], position_ids=torch.arange(p, p + len(ids))[None], use_cache=True).past_key_values
     for layer in (0, model.config.num_hidden_layers // 2, model.config.num_hidden_layers - 1):
-        rotated = rotate_keys(model, stored.k_pre[layer], torch.arange(p, p + len(ids)))
+        rotated = ops.rotate(stored.k_pre[layer], torch.arange(p, p + len(ids)))
         torch.testing.assert_close(rotated, past.layers[layer].keys[0], atol=2e-4, rtol=1e-4)
     # and the rotation is not a no-op: position 0 keys differ from position p keys
-    assert (rotate_keys(model, stored.k_pre[0], torch.arange(len(ids))) - past.layers[0].keys[0]).abs().max() > 1e-2
+    assert (ops.rotate(stored.k_pre[0], torch.arange(len(ids))) - past.layers[0].keys[0]).abs().max() > 1e-2
 
 
 # First-token logits of r = 1 against full, per compute dtype. Every recomputed position runs the same

@@ -186,3 +186,21 @@ def test_construction_is_cheap_and_validates():
     assert chat._llm_type == "speccache"
     with pytest.raises(ValueError):
         ChatSpecCache(method="telepathy")
+
+
+def test_concurrent_calls_each_report_their_own_stats(rag, engine):
+    """``batch`` runs the calls on a thread pool: each message carries its own call's usage and stats."""
+    chunks, _ = rag
+    chat = ChatSpecCache(engine=engine, max_tokens=3, method="reuse")
+    inputs = [[("system", f"Context:\n{chunks[0].page_content}"), ("human", "Summarize.")],
+              [("human", "Name one colour, in one word.")],
+              [("system", f"Context:\n{chunks[1].page_content}"), ("human", "Summarize.")],
+              [("human", "Name one animal, in one word.")]]
+    alone = [chat.invoke(m) for m in inputs]
+    together = chat.batch(inputs * 2, config={"max_concurrency": 4})
+    for i, msg in enumerate(together):
+        want = alone[i % 4]
+        assert msg.usage_metadata == want.usage_metadata
+        got_s, want_s = msg.response_metadata["speccache"], want.response_metadata["speccache"]
+        assert (got_s["prompt_tokens"], got_s["cache_hits"]) == (want_s["prompt_tokens"], want_s["cache_hits"])
+    assert [m.response_metadata["speccache"]["cache_hits"] for m in alone] == [1, 0, 1, 0]

@@ -18,7 +18,7 @@ from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent 
 from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
 from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode  # noqa: E402
 
-from llama_index.llms.speccache import SpecCacheKVPrecompute, SpecCacheLLM, retrieval_hints  # noqa: E402
+from llama_index.llms.speccache import SpecCacheKVPrecompute, SpecCacheLLM  # noqa: E402
 from speccache_rag import SpecCacheEngine  # noqa: E402
 
 QUESTION = "How many members does the Kettlewick Cooperative have?"
@@ -144,8 +144,11 @@ def test_retrieval_hint_makes_a_new_chunk_reusable_next_time(engine):
     text = "Wren Alcott keeps the tide tables of Brennock Harbour in a blue ledger at the Customs House."
     prompt = f"Context:\n{text}\n\nQuestion: Where are the tide tables?"
     node = NodeWithScore(node=TextNode(text=text), score=1.0)
+    other = SpecCacheLLM(engine=engine, max_new_tokens=1)
     get_dispatcher().event(RetrievalEndEvent(str_or_query_bundle="tide tables", nodes=[node]))
-    assert text in retrieval_hints().texts()
+    assert text in llm.retrieval_hints.texts() and text in other.retrieval_hints.texts()
+    other.retrieval_hints.clear()                                   # hints belong to each LLM
+    assert text in llm.retrieval_hints.texts() and not other.retrieval_hints.texts()
 
     first = llm.complete(prompt).additional_kwargs
     assert first["cache_misses"] == 1 and first["cache_hits"] == 0     # found, computed, then stored
@@ -182,3 +185,20 @@ def test_metadata_and_lazy_construction(engine):
     assert meta.is_chat_model and meta.model_name == "smollm2-135m"
     with pytest.raises(ValueError):
         SpecCacheLLM(method="telepathy")
+
+
+def test_concurrent_calls_each_report_their_own_stats(engine, chunk):
+    """Four threads on one LLM, half with a reusable chunk: every response carries its own call's stats."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    llm = SpecCacheLLM(engine=engine, max_new_tokens=3, method="reuse", use_retrieval_hints=False)
+    prompts = [f"Context:\n{chunk}\n\nQuestion: What is this about?", "Name one colour, in one word.",
+               f"Context:\n{chunk}\n\nQuestion: Summarize it.", "Name one animal, in one word."]
+    alone = [llm.complete(p).additional_kwargs for p in prompts]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        together = list(pool.map(lambda p: llm.complete(p).additional_kwargs, prompts * 2))
+    for i, got in enumerate(together):
+        want = alone[i % 4]
+        assert (got["prompt_tokens"], got["cache_hits"], got["reused_tokens"]) == \
+            (want["prompt_tokens"], want["cache_hits"], want["reused_tokens"])
+    assert [a["cache_hits"] for a in alone] == [1, 0, 1, 0]

@@ -8,7 +8,7 @@ import pytest
 from speccache_rag import ReuseConfig, SpecCacheEngine
 from speccache_rag.matching import (ANCHOR_CHARS, ChatPrompt, ChunkIndex, astream_text, chunk_index, match_prompt,
                                     precompute_texts, prompt_from_text, stored_text, stream_text)
-from speccache_rag.models import tiny_random_model
+from tiny_models import tiny_random_model
 from speccache_rag.prompt import render, tokenize_piece
 from speccache_rag.store import DiskStore
 

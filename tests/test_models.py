@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tiny_models import tiny_random_model
 
 from speccache_rag import models
 from speccache_rag.models import ModelFileError, ModelNotInstalled, PackagedModel
@@ -378,9 +379,9 @@ def test_qwen05_tokenizer_differs_from_smollm2():
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tiny_random_model_is_deterministic(arch):
     _require("smollm2-135m")
-    model, tok = models.tiny_random_model(arch, seed=0)
-    again, _ = models.tiny_random_model(arch, seed=0, tokenizer=tok)
-    other, _ = models.tiny_random_model(arch, seed=1, tokenizer=tok)
+    model, tok = tiny_random_model(arch, seed=0)
+    again, _ = tiny_random_model(arch, seed=0, tokenizer=tok)
+    other, _ = tiny_random_model(arch, seed=1, tokenizer=tok)
     assert model.config.model_type == arch and model.config.num_hidden_layers == 4
     assert model.config.num_attention_heads == 4 and model.config.num_key_value_heads == 2
     assert model.config.vocab_size == len(tok) and not model.training
@@ -389,7 +390,7 @@ def test_tiny_random_model_is_deterministic(arch):
         a, b, c = model(ids).logits, again(ids).logits, other(ids).logits
     assert torch.equal(a, b) and not torch.equal(a, c)
     state = torch.get_rng_state()
-    models.tiny_random_model(arch, seed=3, tokenizer=tok)
+    tiny_random_model(arch, seed=3, tokenizer=tok)
     assert torch.equal(state, torch.get_rng_state())
 
 

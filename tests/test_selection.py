@@ -3,10 +3,11 @@ import torch
 
 from speccache_rag import RAGPrompt, ReuseConfig
 from speccache_rag.models import load_tokenizer
-from speccache_rag.prompt import render
+from speccache_rag.prompt import render, retokenize, segments_from_spans
 from speccache_rag.selection import SELECTORS, Selection, budget_for, top_positions
 from speccache_rag.selection.static import epic_select, random_select
-from speccache_rag.selection.speculative import expand, map_to_target, select_by_draft_scores, span_ids
+from speccache_rag.selection.speculative import (expand, map_to_target, select_by_draft_scores, span_ids,
+                                                 speculative_select)
 
 CHUNKS = [
     "Kettlewright Quorvane measured 3.75 kilograms; its hallmark reads QX-17/β and was stamped in Vessendorf.",
@@ -209,3 +210,39 @@ def test_every_configurable_method_has_one_registered_selector():
     from speccache_rag.config import METHODS
 
     assert set(SELECTORS) == set(METHODS) - {"full"}
+
+
+def test_segments_from_spans_and_retokenize_keep_chunk_text_and_offsets():
+    """A prompt known only as token ids and chunk spans (vllm serve) rebuilds the rendered segments."""
+    tok = load_tokenizer("smollm2-135m")
+    rendered = render(RAGPrompt(chunks=CHUNKS[:2], question="How heavy is it?"), tok)
+    rebuilt = segments_from_spans(tok, rendered.token_ids, [(s.start, s.end) for s in rendered.chunk_segments()])
+    assert rebuilt.token_ids == rendered.token_ids
+    for got, want in zip(rebuilt.chunk_segments(), rendered.chunk_segments()):
+        assert (got.start, got.end, got.text, got.offsets) == (want.start, want.end, want.text, want.offsets)
+    view = retokenize(rebuilt, tok)                                  # same tokenizer: same tokens
+    assert view.token_ids == rendered.token_ids
+    assert [s.chunk for s in view.segments] == [s.chunk for s in rendered.segments]
+
+
+def test_draft_selection_without_the_rag_prompt_equals_the_selection_with_it():
+    """Without a RAGPrompt the draft reads the target's segments retokenized: with a shared tokenizer that
+    is the very prompt, so the selection is the same."""
+    from speccache_rag.layers import HFLayers
+    from tiny_models import tiny_random_model
+
+    tok = load_tokenizer("smollm2-135m")
+    draft, _ = tiny_random_model("llama", tokenizer=tok)
+    prompt = RAGPrompt(chunks=CHUNKS[:2], question="How heavy is it?")
+    tokens = render(prompt, tok)
+    reusable = torch.zeros(len(tokens), dtype=torch.bool)
+    for seg in tokens.chunk_segments():
+        reusable[seg.start:seg.end] = True
+    reuse = ReuseConfig(method="speccache", recompute_ratio=0.15)
+    budget = budget_for(0.15, int(reusable.sum()))
+    rebuilt = segments_from_spans(tok, tokens.token_ids, [(s.start, s.end) for s in tokens.chunk_segments()])
+    with_prompt = Selection(tokens, reusable, budget, reuse, prompt=prompt, draft=HFLayers(draft), draft_tokenizer=tok)
+    without = Selection(rebuilt, reusable, budget, reuse, draft=HFLayers(draft), draft_tokenizer=tok)
+    got = speculative_select(without)
+    assert got.tolist() == speculative_select(with_prompt).tolist()
+    assert len(got) == budget

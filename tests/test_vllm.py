@@ -21,11 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from speccache_rag.config import ReuseConfig
+from speccache_rag.config import METHODS, ReuseConfig
 from speccache_rag.kv import ChunkKV, chunk_key
 from speccache_rag.prompt import DEFAULT_SYSTEM, RAGPrompt, render, tokenize_piece
 from speccache_rag.store import DiskStore, MemoryStore
-from speccache_rag.vllm.blend import draft_view, segments_from_spans
 from speccache_rag.vllm.lookup import ChunkIndex, peek_token_ids
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -76,47 +75,6 @@ def test_chunk_index_finds_stored_chunks_by_token_content(tmp_path, kind):
         assert peek_token_ids(store, chunk_key("fp", b)) == b
 
 
-def test_segments_and_draft_view_keep_chunk_text_and_offsets():
-    from speccache_rag.models import load_tokenizer
-
-    tok = load_tokenizer("smollm2-135m")
-    prompt = RAGPrompt(chunks=CHUNKS[:2], question=QUESTION)
-    rendered = render(prompt, tok)
-    spans = [(s.start, s.end) for s in rendered.chunk_segments()]
-    rebuilt = segments_from_spans(tok, rendered.token_ids, spans)
-    assert rebuilt.token_ids == rendered.token_ids
-    for got, want in zip(rebuilt.chunk_segments(), rendered.chunk_segments()):
-        assert (got.start, got.end, got.text) == (want.start, want.end, want.text)
-        assert got.offsets == want.offsets
-    view = draft_view(rebuilt, tok)                                    # same tokenizer: same tokens
-    assert view.token_ids == rendered.token_ids
-    assert [s.chunk for s in view.segments] == [s.chunk for s in rendered.segments]
-
-
-def test_selection_from_tokens_equals_the_torch_engines_selection():
-    """Without a RAGPrompt (vllm serve), the draft reads the target's segments: with a shared
-    tokenizer that is the very prompt, so the selection is the torch engine's."""
-    from speccache_rag.models import load_tokenizer, tiny_random_model
-    from speccache_rag.selection import Selection, budget_for
-    from speccache_rag.selection.speculative import speculative_select
-    from speccache_rag.vllm.blend import speculative_select_view
-
-    tok = load_tokenizer("smollm2-135m")
-    draft, _ = tiny_random_model("llama", tokenizer=tok)
-    prompt = RAGPrompt(chunks=CHUNKS[:2], question=QUESTION)
-    tokens = render(prompt, tok)
-    reusable = torch.zeros(len(tokens), dtype=torch.bool)
-    for seg in tokens.chunk_segments():
-        reusable[seg.start:seg.end] = True
-    reuse = ReuseConfig(method="speccache", recompute_ratio=0.15)
-    sel = Selection(tokens, reusable, budget_for(0.15, int(reusable.sum())), reuse, prompt=prompt, draft=draft,
-                    draft_tokenizer=tok)
-    rebuilt = segments_from_spans(tok, tokens.token_ids, [(s.start, s.end) for s in tokens.chunk_segments()])
-    got = speculative_select_view(sel, draft_view(rebuilt, tok), draft)
-    assert got.tolist() == speculative_select(sel).tolist()
-    assert len(got) == sel.budget
-
-
 def test_connector_options_are_validated():
     from speccache_rag.vllm import kv_transfer_config
 
@@ -129,8 +87,8 @@ def test_connector_options_are_validated():
     assert Options.from_extra(cfg["kv_connector_extra_config"]).method == "epic"
     with pytest.raises(ValueError, match="unknown SpecCache connector options"):
         Options.from_extra({"stor": "x"})
-    with pytest.raises(ValueError, match="not available in the vLLM backend"):
-        Options.from_extra({"method": "oracle"})
+    with pytest.raises(ValueError, match="unknown method 'magic'"):
+        Options.from_extra({"method": "magic"})
     with pytest.raises(ValueError, match="recompute_ratio"):
         Options.from_extra({"recompute_ratio": 2})
     with pytest.raises(ValueError, match="max_blends_per_step"):
@@ -292,8 +250,43 @@ def test_precompute_through_vllm_shares_the_torch_engines_store(engine, kv_dir):
     torch.testing.assert_close(stored.v, reference.v, atol=2e-4, rtol=1e-4)
 
 
+BLEND_METHODS = [m for m in METHODS if m != "full"]
+
+
 @needs_vllm
-@pytest.mark.parametrize("method", ["speccache", "qattn", "cacheblend", "epic"])
+@pytest.mark.parametrize("method", BLEND_METHODS)
+def test_torch_and_vllm_run_one_blend_same_positions_same_kv(engine, kv_dir, prompt, method):
+    """The core pipeline over HF modules and over vLLM's own: same positions chosen, KV within float
+    tolerance (both read one store; the selectors and the layer loop are shared, the modules are not)."""
+    from speccache_rag.blend import Blender
+    from speccache_rag.output import GenerationStats
+    from speccache_rag.runner import KVCache
+    from speccache_rag.vllm.layers import VllmLayers
+    from speccache_rag.vllm.models import current_model
+
+    _, torch_engine = kv_dir
+    store = MemoryStore()
+    for text in CHUNKS:
+        ids, _ = tokenize_piece(torch_engine.tokenizer, text)
+        store.put(torch_engine.chunk_kv(ids, chunk_key(torch_engine.fingerprint, ids), text))
+    tokens = render(prompt, torch_engine.tokenizer)
+    reuse = ReuseConfig(method=method, recompute_ratio=0.15)
+    runs = []
+    for ops in (torch_engine.ops, VllmLayers(current_model())):
+        blender = Blender(ops, store, torch_engine.fingerprint, torch_engine.blender.sink_ids,
+                          draft=lambda: (torch_engine.draft_ops, torch_engine.draft_tokenizer))
+        cache = KVCache.empty(ops, len(tokens))
+        blended = blender.blend(tokens, cache, reuse, GenerationStats(method, len(tokens)), prompt=prompt)
+        runs.append((blended.recomputed, cache))
+    (pos_hf, hf), (pos_vllm, vl) = runs
+    assert pos_hf.tolist() == pos_vllm.tolist()
+    assert 0 < len(pos_hf) < len(tokens)
+    torch.testing.assert_close(vl.k, hf.k, atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(vl.v, hf.v, atol=2e-3, rtol=1e-3)
+
+
+@needs_vllm
+@pytest.mark.parametrize("method", [m for m in BLEND_METHODS if m != "reuse"])
 def test_golden_ratio_one_through_the_connector_equals_plain_vllm(engine, prompt, full, method):
     blended = engine.generate(prompt, max_new_tokens=16, reuse=ReuseConfig(method=method, recompute_ratio=1.0))
     assert blended.stats.cache_hits == len(CHUNKS) and blended.stats.cache_misses == 0

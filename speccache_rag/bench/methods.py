@@ -22,7 +22,8 @@ import torch
 
 from ..config import ReuseConfig
 from ..engine import SpecCacheEngine
-from ..prompt import RAGPrompt, TokenizedPrompt, render, sink_token_ids, tokenize_piece
+from ..layers import HFLayers
+from ..prompt import RAGPrompt, TokenizedPrompt, sink_token_ids, tokenize_piece
 from ..runner import full_prefill
 from ..selection import Selection, hidden_states
 from ..selection.registry import recompute_picked
@@ -77,8 +78,8 @@ def parse_method(name: str) -> MethodSpec:
                      f"{', '.join(FAMILIES)} and R in [0, 1]")
 
 
-def deep_layers(model, fraction: float) -> range:
-    n = model.config.num_hidden_layers
+def deep_layers(ops, fraction: float) -> range:
+    n = ops.num_layers
     return range(n - max(1, round(n * fraction)), n)
 
 
@@ -96,25 +97,28 @@ class BenchEngine(SpecCacheEngine):
         self._alone: dict[tuple[int, str], torch.Tensor] = {}   # → [deep layers, n, hidden]
         self._memo: dict[tuple, dict[int, torch.Tensor]] | None = None
         self._draft_sink = sink_token_ids(self.draft_tokenizer)
+        self._layer_ops = {id(self.target): self.ops, id(self.draft): self.draft_ops}
 
     def use_draft(self, draft, draft_tokenizer) -> None:
         """Score with another draft from now on (the target, its store, the memo and every draft's
         ingestion artifacts are kept), so the pairs of one target share its chunk caches, its full-prefill
         reference and its timing rounds."""
-        self.draft, self.draft_tokenizer = draft, draft_tokenizer
+        if id(draft) not in self._layer_ops:      # one LayerOps per model: memo keys are ids and stay valid
+            self._layer_ops[id(draft)] = HFLayers(draft)
+        self.draft, self.draft_tokenizer, self.draft_ops = draft, draft_tokenizer, self._layer_ops[id(draft)]
         self._draft_sink = sink_token_ids(draft_tokenizer)
 
     # ---- ingestion-time draft artifacts ------------------------------------------------------
     @torch.inference_mode()
     def prepare_draft(self, texts: list[str], static: bool = True, deviation: bool = True) -> None:
-        layers = deep_layers(self.draft, self.fraction)
+        layers = deep_layers(self.draft_ops, self.fraction)
         for text in texts:
-            key = (id(self.draft), text)
+            key = (id(self.draft_ops), text)
             if (not static or key in self._static) and (not deviation or key in self._alone):
                 continue
             ids, _ = tokenize_piece(self.draft_tokenizer, text)
             capture: dict[int, torch.Tensor] = {}
-            full_prefill(self.draft, torch.tensor(self._draft_sink + ids), capture=capture)
+            full_prefill(self.draft_ops, torch.tensor(self._draft_sink + ids), capture=capture)
             skip = len(self._draft_sink)
             if static:
                 self._static[key] = torch.stack([capture[i][skip:].norm(dim=-1) for i in layers]).mean(0)
@@ -127,17 +131,17 @@ class BenchEngine(SpecCacheEngine):
 
     # ---- whole-prompt hidden states -----------------------------------------------------------
     @torch.inference_mode()
-    def capture(self, model, ids: torch.Tensor) -> dict[int, torch.Tensor]:
-        key = (id(model), tuple(ids.tolist()))
+    def capture(self, ops, ids: torch.Tensor) -> dict[int, torch.Tensor]:
+        key = (id(ops), tuple(ids.tolist()))
         if self._memo is not None and key in self._memo:
             return self._memo[key]
-        cap = hidden_states(model, ids)
+        cap = hidden_states(ops, ids)
         if self._memo is not None:
             self._memo[key] = cap
         return cap
 
-    def hidden_states(self, model, token_ids: torch.Tensor) -> dict[int, torch.Tensor]:
-        return self.capture(model, token_ids)
+    def hidden_states(self, ops, token_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+        return self.capture(ops, token_ids)
 
     @contextlib.contextmanager
     def memoized(self):
@@ -155,8 +159,8 @@ class BenchEngine(SpecCacheEngine):
             return super().selector(method)
         variant = self.variant
 
-        def select(sel: Selection, model=None) -> torch.Tensor:
-            draft_tokens = render(sel.prompt, self.draft_tokenizer)
+        def select(sel: Selection, ops=None) -> torch.Tensor:
+            draft_tokens = sel.draft_tokens()
             scores = self._static_scores(draft_tokens) if variant == "static" else self._deviation_scores(draft_tokens)
             return select_by_draft_scores(sel, draft_tokens, scores)
 
@@ -165,19 +169,19 @@ class BenchEngine(SpecCacheEngine):
     def _static_scores(self, draft_tokens: TokenizedPrompt) -> torch.Tensor:
         scores = torch.zeros(len(draft_tokens))
         for seg in draft_tokens.chunk_segments():
-            s = self._static.get((id(self.draft), seg.text))
+            s = self._static.get((id(self.draft_ops), seg.text))
             if s is None:
                 raise KeyError("static scores missing for a chunk: call prepare_draft() at ingestion")
             scores[seg.start:seg.end] = s
         return scores
 
     def _deviation_scores(self, draft_tokens: TokenizedPrompt) -> torch.Tensor:
-        cap = self.capture(self.draft, draft_tokens.ids)
-        layers = deep_layers(self.draft, self.fraction)
+        cap = self.capture(self.draft_ops, draft_tokens.ids)
+        layers = deep_layers(self.draft_ops, self.fraction)
         h = torch.stack([cap[i] for i in layers])                            # [Ld, Nd, H]
         scores = torch.zeros(len(draft_tokens))
         for seg in draft_tokens.chunk_segments():
-            alone = self._alone.get((id(self.draft), seg.text))
+            alone = self._alone.get((id(self.draft_ops), seg.text))
             if alone is None:
                 raise KeyError("h_alone missing for a chunk: call prepare_draft() at ingestion")
             scores[seg.start:seg.end] = (h[:, seg.start:seg.end] - alone).norm(dim=-1).mean(0)

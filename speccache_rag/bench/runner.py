@@ -166,9 +166,9 @@ def quality_example(engine: BenchEngine, suite: Suite, target: str, drafts: list
                 dtokens = render(prompt, dtok)
                 row = _base("agreement", suite, target, draft, ex, None)
                 row["method"] = None
-                row.update(agreement(engine.capture(engine.target, tokens.ids),
-                                     engine.target.config.num_hidden_layers, tokens, engine.capture(dmodel, dtokens.ids),
-                                     dmodel.config.num_hidden_layers, dtokens, tokenizer=engine.tokenizer))
+                row.update(agreement(engine.capture(engine.ops, tokens.ids), engine.ops.num_layers, tokens,
+                                     engine.capture(engine.draft_ops, dtokens.ids), engine.draft_ops.num_layers,
+                                     dtokens, tokenizer=engine.tokenizer))
                 writer.write(row)
     engine.forget_draft()
 

@@ -7,32 +7,39 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ReuseConfig
-from ..prompt import RAGPrompt, TokenizedPrompt
+from ..prompt import RAGPrompt, TokenizedPrompt, render, retokenize
 from ..runner import full_prefill
 
 
-def hidden_states(model, token_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+def hidden_states(ops, token_ids: torch.Tensor) -> dict[int, torch.Tensor]:
     """Residual stream after every layer of a plain prefill: layer → [N, hidden]."""
     capture: dict[int, torch.Tensor] = {}
-    full_prefill(model, token_ids, capture=capture)
+    full_prefill(ops, token_ids, capture=capture)
     return capture
 
 
 @dataclass
 class Selection:
     """What a selector sees: the target's tokenized prompt, which positions hold reused KV, the budget,
-    and for draft-scored methods the prompt itself and the draft."""
+    and for draft-scored methods the prompt (None when only its tokens are known) and the draft."""
 
     tokens: TokenizedPrompt
     reusable: torch.Tensor          # bool [N]: KV loaded from the store
     budget: int                     # how many reusable positions may be recomputed
     config: ReuseConfig
     prompt: RAGPrompt | None = None
-    draft: object = None
+    draft: object = None            # LayerOps of the draft model
     draft_tokenizer: object = None
-    # (model, token ids [N]) → {layer: residual [N, hidden]}; the bench swaps in a memoized one
+    # (LayerOps, token ids [N]) → {layer: residual [N, hidden]}; the bench swaps in a memoized one
     hidden_states: Callable[[object, torch.Tensor], dict[int, torch.Tensor]] = hidden_states
     timings: dict[str, float] = field(default_factory=dict)   # select_s, draft_forward_s
+
+    def draft_tokens(self) -> TokenizedPrompt:
+        """The prompt as the draft reads it: through its own chat template when the RAGPrompt is known,
+        else the target's segments retokenized (chunk boundaries line up either way)."""
+        if self.prompt is not None:
+            return render(self.prompt, self.draft_tokenizer)
+        return retokenize(self.tokens, self.draft_tokenizer)
 
     @property
     def reusable_positions(self) -> torch.Tensor:

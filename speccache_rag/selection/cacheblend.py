@@ -3,24 +3,24 @@ from __future__ import annotations
 
 import torch
 
-from ..runner import KVCache, embed, logits, run_layers
+from ..runner import KVCache, run_layers
 from .base import Selection, top_positions
 from .registry import blend_selector
 
 
 @blend_selector("cacheblend")
 @torch.inference_mode()
-def cacheblend_prefill(model, cache: KVCache, sel: Selection, always: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def cacheblend_prefill(ops, cache: KVCache, sel: Selection, always: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Blend ``cache`` (reused chunks loaded) in place → (last-token logits, positions recomputed past layer c).
 
     always: positions without cached KV, recomputed at every layer.
     """
-    c = min(sel.config.cacheblend_check_layer, model.config.num_hidden_layers - 1)
+    c = min(sel.config.cacheblend_check_layer, ops.num_layers - 1)
     n = len(sel.tokens)
     v_cached = cache.v[c, :, :n].clone()                                    # [KVH, N, D]
-    h = run_layers(model, cache, embed(model, sel.tokens.ids), torch.arange(n), layers=range(c + 1))
+    h = run_layers(ops, cache, ops.embed(sel.tokens.ids), torch.arange(n), layers=range(c + 1))
     deviation = (cache.v[c, :, :n] - v_cached).pow(2).sum(dim=(0, 2))      # [N]
     chosen = top_positions(deviation, sel.reusable_positions, sel.budget)
     keep = torch.cat([chosen, always]).unique()                             # sorted
-    h = run_layers(model, cache, h[keep], keep, layers=range(c + 1, model.config.num_hidden_layers))
-    return logits(model, h[-1]), keep
+    h = run_layers(ops, cache, h[keep], keep, layers=range(c + 1, ops.num_layers))
+    return ops.logits(h[-1]), keep

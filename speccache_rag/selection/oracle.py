@@ -8,7 +8,7 @@ from .registry import position_selector
 
 
 @position_selector("oracle")
-def oracle_select(sel: Selection, model) -> torch.Tensor:
-    capture = sel.hidden_states(model, sel.tokens.ids)
-    scores = deep_layer_norms(capture, model.config.num_hidden_layers, sel.config.draft_layers)
+def oracle_select(sel: Selection, ops) -> torch.Tensor:
+    capture = sel.hidden_states(ops, sel.tokens.ids)
+    scores = deep_layer_norms(capture, ops.num_layers, sel.config.draft_layers)
     return top_positions(scores, sel.reusable_positions, sel.budget)

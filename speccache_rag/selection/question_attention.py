@@ -61,12 +61,12 @@ def qattn_scores(probe: QuestionAttention, sel: Selection) -> torch.Tensor:
     return scores
 
 
-def question_probe(model, sel: Selection, recomputed: torch.Tensor) -> QuestionAttention:
+def question_probe(ops, sel: Selection, recomputed: torch.Tensor) -> QuestionAttention:
     """The probe for the first pass over ``recomputed`` (the always-recomputed positions): its question rows,
-    in the configured layers of ``model`` (HF or vLLM modules alike)."""
+    in the configured layers."""
     rows = question_rows(sel, recomputed)
-    layers = scored_layers(len(model.model.layers), sel.config.qattn_layers)
-    return QuestionAttention(rows, recomputed[rows], layers, model.model.layers[0].self_attn.scaling,
+    layers = scored_layers(ops.num_layers, sel.config.qattn_layers)
+    return QuestionAttention(rows, recomputed[rows], layers, ops.scaling,
                              len(sel.tokens), sel.config.qattn_heads)
 
 
@@ -87,13 +87,13 @@ def question_rows(sel: Selection, always: torch.Tensor) -> torch.Tensor:
 
 @blend_selector("qattn")
 @torch.inference_mode()
-def qattn_prefill(model, cache: KVCache, sel: Selection, always: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def qattn_prefill(ops, cache: KVCache, sel: Selection, always: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Blend ``cache`` (reused chunks loaded) in place → (last-token logits, positions recomputed at least once)."""
     ids = sel.tokens.ids
     if sel.budget == 0:
-        return prefill(model, cache, ids[always], always), always
-    probe = question_probe(model, sel, always)
-    prefill(model, cache, ids[always], always, observe=probe)
+        return prefill(ops, cache, ids[always], always), always
+    probe = question_probe(ops, sel, always)
+    prefill(ops, cache, ids[always], always, observe=probe)
     chosen, again = second_pass(probe, sel, always)
-    logits = prefill(model, cache, ids[again], again)
+    logits = prefill(ops, cache, ids[again], again)
     return logits, torch.cat([chosen, always]).unique()

@@ -20,7 +20,7 @@ SELECTORS: dict[str, Blend] = {}
 
 
 def blend_selector(name: str):
-    """Register ``fn(model, cache, sel, always) -> (logits, recomputed positions)`` as method ``name``."""
+    """Register ``fn(ops, cache, sel, always) -> (logits, recomputed positions)`` as method ``name``."""
     def register(fn: Blend) -> Blend:
         SELECTORS[name] = fn
         return fn
@@ -33,17 +33,17 @@ Pick = Callable[[Selection, object], torch.Tensor]
 def recompute_picked(pick: Pick) -> Blend:
     """The blend of a selector that only picks positions: the picked ones and every always-recomputed one
     go through the model."""
-    def blend(model, cache: KVCache, sel: Selection, always: torch.Tensor):
+    def blend(ops, cache: KVCache, sel: Selection, always: torch.Tensor):
         t = time.perf_counter()
-        chosen = pick(sel, model) if sel.budget else always[:0]
+        chosen = pick(sel, ops) if sel.budget else always[:0]
         sel.timings["select_s"] = time.perf_counter() - t
         recomputed = torch.cat([chosen, always]).unique()
-        return prefill(model, cache, sel.tokens.ids[recomputed], recomputed), recomputed
+        return prefill(ops, cache, sel.tokens.ids[recomputed], recomputed), recomputed
     return blend
 
 
 def position_selector(name: str):
-    """Register ``fn(sel, model) -> positions`` (among ``sel.reusable``, at most ``sel.budget``) as method
+    """Register ``fn(sel, ops) -> positions`` (among ``sel.reusable``, at most ``sel.budget``) as method
     ``name`` (see ``recompute_picked``)."""
     def register(fn: Pick) -> Pick:
         SELECTORS[name] = recompute_picked(fn)

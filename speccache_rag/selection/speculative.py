@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from ..prompt import TokenizedPrompt, render
+from ..prompt import TokenizedPrompt
 from .base import Selection, budget_for, deep_layer_norms, hidden_states
 from .registry import position_selector
 
@@ -19,7 +19,7 @@ from .registry import position_selector
 def score(draft, draft_tokens: TokenizedPrompt, fraction: float, states=hidden_states) -> torch.Tensor:
     """Step 1: importance of every draft token = mean deep-layer residual norm (pre-final-norm) → [Nd]."""
     capture = states(draft, draft_tokens.ids)
-    return deep_layer_norms(capture, draft.config.num_hidden_layers, fraction).float()
+    return deep_layer_norms(capture, draft.num_layers, fraction).float()
 
 
 def span_ids(scores: torch.Tensor, candidates: torch.Tensor, chunk_start: torch.Tensor, tau_smooth: float,
@@ -89,9 +89,9 @@ def map_to_target(draft_tokens: TokenizedPrompt, target_tokens: TokenizedPrompt)
 
 
 @position_selector("speccache")
-def speculative_select(sel: Selection, model=None) -> torch.Tensor:
+def speculative_select(sel: Selection, ops=None) -> torch.Tensor:
     """The paper's method: the draft reads the whole prompt; its deep-layer norms choose the tokens."""
-    draft_tokens = render(sel.prompt, sel.draft_tokenizer)
+    draft_tokens = sel.draft_tokens()
     t = time.perf_counter()
     scores = score(sel.draft, draft_tokens, sel.config.draft_layers, sel.hidden_states)
     sel.timings["draft_forward_s"] = time.perf_counter() - t

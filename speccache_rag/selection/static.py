@@ -8,13 +8,13 @@ from .registry import position_selector
 
 
 @position_selector("reuse")
-def reuse_select(sel: Selection, model=None) -> torch.Tensor:
+def reuse_select(sel: Selection, ops=None) -> torch.Tensor:
     """Nothing: only the tokens without cached KV are computed (Prompt-Cache-style concatenation)."""
     return sel.reusable_positions[:0]
 
 
 @position_selector("epic")
-def epic_select(sel: Selection, model=None) -> torch.Tensor:
+def epic_select(sel: Selection, ops=None) -> torch.Tensor:
     """The first k tokens of every reused chunk (EPIC / LegoLink); k fills the budget when unset."""
     chunks = [torch.arange(s.start, s.end) for s in sel.tokens.chunk_segments() if sel.reusable[s.start]]
     k = sel.config.epic_k
@@ -27,7 +27,7 @@ def epic_select(sel: Selection, model=None) -> torch.Tensor:
 
 
 @position_selector("random")
-def random_select(sel: Selection, model=None) -> torch.Tensor:
+def random_select(sel: Selection, ops=None) -> torch.Tensor:
     cand = sel.reusable_positions
     gen = torch.Generator().manual_seed(sel.config.seed)
     return cand[torch.randperm(cand.numel(), generator=gen)[: sel.budget]].sort().values

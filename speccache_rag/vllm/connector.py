@@ -15,7 +15,7 @@ Scheduler side (one instance in the engine core):
     be served to another request as an exact prefix-cache hit, nor can it hit exact blocks.
   * ``get_num_new_matched_tokens`` claims every prompt token but the last (that one vLLM computes,
     attending to the blended cache, and samples from); the rest of the plan rides in the metadata.
-Worker side (one instance per worker): ``start_load_kv`` runs :class:`.blend.Blender` for each
+Worker side (one instance per worker): ``start_load_kv`` runs :class:`.blend.PagedBlender` for each
 planned request before the forward pass; a failure marks the request's blocks invalid, and vLLM
 recomputes them (``kv_load_failure_policy="recompute"``, which the connector sets) — plain prefill,
 never wrong output. Per-request statistics are logged (``SpecCache: req=… reused=… hits=…``), sent
@@ -44,12 +44,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from ..config import ReuseConfig
+from ..config import METHODS, ReuseConfig
 from ..hardware import dtype_name
-from ..prompt import RAGPrompt
+from ..prompt import RAGPrompt, sink_token_ids
 from . import PARAMS_KEY
-from .blend import VLLM_METHODS, Blender, Unsupported, check_model, slot_mapping
-from ..prompt import sink_token_ids
+from .blend import PagedBlender
+from .layers import Unsupported, slot_mapping
 from .lookup import ChunkIndex, fingerprint_for, shared_store
 from .plugin import ARCHITECTURES
 
@@ -117,9 +117,8 @@ class Options:
         return opts
 
     def reuse_config(self, method: str, ratio: float, overrides: dict) -> ReuseConfig:
-        if method not in VLLM_METHODS:
-            raise ValueError(f"method {method!r} is not available in the vLLM backend "
-                             f"(use one of {', '.join(('full',) + VLLM_METHODS)})")
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
         fields = {**self.reuse, **(overrides or {}), "method": method, "recompute_ratio": float(ratio)}
         return ReuseConfig(**fields)
 
@@ -199,7 +198,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
         self._index: ChunkIndex | None = None
         self._warned: set[str] = set()
         # worker state
-        self._blender: Blender | None = None
+        self._blender: PagedBlender | None = None
         self._blender_error: str | None = None
         self._failed_blocks: set[int] = set()
         self._out_reports: dict[str, dict] = {}
@@ -327,7 +326,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         self._ensure_blender()                            # model is loaded by now: fail/warn at startup
 
-    def _ensure_blender(self) -> Blender | None:
+    def _ensure_blender(self) -> PagedBlender | None:
         if self._blender is not None or self._blender_error is not None or self.unsupported:
             return self._blender
         try:
@@ -338,7 +337,6 @@ class SpecCacheConnector(KVConnectorBase_V1):
             if model is None:
                 raise Unsupported("the model was not built through speccache_rag's vLLM plugin "
                                   "(is speccache-rag installed in vLLM's environment?)")
-            check_model(model)
             tokenizer = load_tokenizer(self.model_dir)
             draft_name = self.options.draft or self.model_dir
             dtype = self.dtype
@@ -347,7 +345,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
                 logger.info("SpecCache: loading draft model %s", draft_name)
                 return load(draft_name, dtype=dtype)
 
-            self._blender = Blender(model, tokenizer, self.store, self.fingerprint,
+            self._blender = PagedBlender(model, tokenizer, self.store, self.fingerprint,
                                     sink_token_ids(tokenizer, self.options.sink), load_draft,
                                     fill_misses=self.options.fill_misses)
             logger.info("SpecCache connector ready: store=%s draft=%s method=%s ratio=%s", self.store_url,
@@ -382,8 +380,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
                 self._failed_blocks.update(claimed_blocks)
                 continue
             logger.info("SpecCache: req=%s %s", spec.req_id, report.line())
-            out = asdict(report)
-            out.update(stored=len(report.stored), step=self._step, batch=len(meta.loads))
+            out = {**report.to_dict(), "step": self._step, "batch": len(meta.loads)}
             self._out_reports[spec.req_id] = out
             if plan.get("tag"):
                 _publish(plan["tag"], out)

@@ -31,8 +31,6 @@ from ..store import KVStore
 from . import PARAMS_KEY, kv_transfer_config, require_vllm
 from .lookup import fingerprint_for, shared_store
 
-_STAT_FIELDS = ("reused_tokens", "recomputed_tokens", "cache_hits", "cache_misses", "load_s", "draft_s", "recompute_s")
-
 
 @dataclass
 class _Pending:
@@ -286,14 +284,12 @@ class VllmSpecCacheEngine:
 
         out = p.output
         o = out.outputs[0]
-        stats = GenerationStats(method=p.method, prompt_tokens=p.prompt_tokens, generated_tokens=len(o.token_ids),
-                                ttft_s=p.ttft_s or 0.0, total_s=p.total_s, dtype=self.dtype)
         report = pop_report(p.tag) or ((out.kv_transfer_params or {}).get(PARAMS_KEY) if out.kv_transfer_params else None)
-        if report:
-            for name in _STAT_FIELDS:
-                setattr(stats, name, report[name])
-        else:                                   # full prefill, or a fallback to it: vLLM computed every token
-            stats.recomputed_tokens = p.prompt_tokens
+        # the worker's statistics of the blend; none for full prefill, or a fallback to it (vLLM computed every token)
+        stats = GenerationStats.from_dict(report) if report else GenerationStats(p.method, p.prompt_tokens,
+                                                                                   recomputed_tokens=p.prompt_tokens)
+        stats.method, stats.prompt_tokens, stats.dtype = p.method, p.prompt_tokens, self.dtype
+        stats.generated_tokens, stats.ttft_s, stats.total_s = len(o.token_ids), p.ttft_s or 0.0, p.total_s
         first_logits = None
         if p.want_logits and o.logprobs:
             first = o.logprobs[0]

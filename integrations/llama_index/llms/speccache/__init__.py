@@ -13,7 +13,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from llama_index.llms.speccache.base import SpecCacheLLM
-from llama_index.llms.speccache.hints import RetrievalHints, retrieval_hints
+from llama_index.llms.speccache.hints import RetrievalHints
 from llama_index.llms.speccache.precompute import SpecCacheKVPrecompute
 
-__all__ = ["SpecCacheLLM", "SpecCacheKVPrecompute", "RetrievalHints", "retrieval_hints"]
+__all__ = ["SpecCacheLLM", "SpecCacheKVPrecompute", "RetrievalHints"]

@@ -20,7 +20,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_serialize
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 
-from llama_index.llms.speccache.hints import retrieval_hints
+from llama_index.llms.speccache.hints import RetrievalHints
 from speccache_rag import GenerationOutput, GenerationStats, ReuseConfig, SpecCacheEngine
 from speccache_rag.matching import astream_text, stream_text
 
@@ -97,6 +97,7 @@ class SpecCacheLLM(LLM):
     # per thread, so that concurrent callers each see their own call's statistics
     _last_stats: Any = PrivateAttr(default_factory=threading.local)
     _context: Optional[int] = PrivateAttr(default=None)
+    _hints_seen: Optional[RetrievalHints] = PrivateAttr(default=None)
 
     def __init__(self, engine: Optional[SpecCacheEngine] = None, **kwargs: Any) -> None:
         if engine is not None:
@@ -106,7 +107,7 @@ class SpecCacheLLM(LLM):
         ReuseConfig(method=self.method, recompute_ratio=self.recompute_ratio)   # fail early on bad values
         self._engine = engine
         if self.use_retrieval_hints:
-            retrieval_hints()
+            self._hints_seen = RetrievalHints()
 
     @field_serializer("store")
     def _store_name(self, store: Any) -> str:
@@ -163,8 +164,13 @@ class SpecCacheLLM(LLM):
         carries its own, in ``raw["stats"]`` and ``additional_kwargs``)."""
         return getattr(self._last_stats, "stats", None)
 
+    @property
+    def retrieval_hints(self) -> Optional[RetrievalHints]:
+        """The texts of the retrievals this LLM has seen (None when ``use_retrieval_hints=False``)."""
+        return self._hints_seen
+
     def _hints(self) -> Optional[List[str]]:
-        return retrieval_hints().texts() if self.use_retrieval_hints else None
+        return self._hints_seen.texts() if self._hints_seen is not None else None
 
     def _completion_messages(self, prompt: str, formatted: bool) -> List[dict]:
         system = [] if formatted or not self.system_prompt else [{"role": "system", "content": self.system_prompt}]

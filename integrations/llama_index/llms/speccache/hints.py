@@ -1,12 +1,15 @@
 """Retrieval hints: the texts of the nodes LlamaIndex retrievers just returned.
 
-A handler on the root instrumentation dispatcher records every ``RetrievalEndEvent``; ``SpecCacheLLM``
-then looks for those texts first when it receives a prompt. Hints only narrow the search: a hint
-that is not in the prompt is ignored, and a chunk is reused only where its exact text is found.
+Every ``SpecCacheLLM`` owns a :class:`RetrievalHints`; one handler on the root instrumentation
+dispatcher (the only place retrieval events reach) hands each ``RetrievalEndEvent`` to the hint
+sets of the LLMs alive, which then look for those texts first when they receive a prompt. Hints
+only narrow the search: a hint that is not in the prompt is ignored, and a chunk is reused only
+where its exact text is found.
 """
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, List
 
 from llama_index.core.instrumentation import get_dispatcher
@@ -21,19 +24,15 @@ from speccache_rag.matching import RecentRetrievals
 RECENT_RETRIEVALS = 8       # hint sets kept (concurrent queries each add their own)
 
 
-class RetrievalHints(BaseEventHandler):
-    """Keeps the LLM-mode texts of the nodes of the last few retrievals."""
+class RetrievalHints:
+    """One LLM's hints: the LLM-mode texts of the nodes of the last few retrievals."""
 
-    _recent: RecentRetrievals = PrivateAttr(default_factory=lambda: RecentRetrievals(RECENT_RETRIEVALS))
+    def __init__(self) -> None:
+        self._recent = RecentRetrievals(RECENT_RETRIEVALS)
+        _forwarder().targets.add(self)
 
-    @classmethod
-    def class_name(cls) -> str:
-        return "SpecCacheRetrievalHints"
-
-    def handle(self, event: BaseEvent, **kwargs: Any) -> None:
-        if isinstance(event, RetrievalEndEvent):
-            texts = [n.node.get_content(metadata_mode=MetadataMode.LLM) for n in event.nodes]
-            self._recent.add(texts)
+    def add(self, texts: List[str]) -> None:
+        self._recent.add(texts)
 
     def texts(self) -> List[str]:
         """Hint texts, most recent retrieval first (no duplicates)."""
@@ -43,15 +42,35 @@ class RetrievalHints(BaseEventHandler):
         self._recent.clear()
 
 
-_handler: RetrievalHints | None = None
+class _Forwarder(BaseEventHandler):
+    """The root dispatcher's handler: retrieved texts go to every live ``RetrievalHints`` (held weakly, so
+    an LLM that is gone stops receiving them)."""
+
+    _targets: Any = PrivateAttr(default_factory=weakref.WeakSet)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "SpecCacheRetrievalHints"
+
+    @property
+    def targets(self) -> "weakref.WeakSet[RetrievalHints]":
+        return self._targets
+
+    def handle(self, event: BaseEvent, **kwargs: Any) -> None:
+        if isinstance(event, RetrievalEndEvent):
+            texts = [n.node.get_content(metadata_mode=MetadataMode.LLM) for n in event.nodes]
+            for hints in list(self._targets):
+                hints.add(texts)
+
+
+_handler: _Forwarder | None = None
 _install_lock = threading.Lock()
 
 
-def retrieval_hints() -> RetrievalHints:
-    """The process-wide hint handler, attached to the root dispatcher on first use."""
+def _forwarder() -> _Forwarder:
     global _handler
     with _install_lock:
         if _handler is None:
-            _handler = RetrievalHints()
+            _handler = _Forwarder()
             get_dispatcher().add_event_handler(_handler)
         return _handler

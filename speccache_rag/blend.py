@@ -1,0 +1,115 @@
+"""The one blend pipeline, run by both engines: load and rotate stored chunks → choose → recompute → stats.
+
+The torch engine runs it over HF modules (:class:`~speccache_rag.layers.HFLayers`) and decodes from
+the cache it fills; the vLLM connector runs it over vLLM's modules and copies the cache into vLLM's
+paged blocks. Which tokens are recomputed is ``SELECTORS[method]`` in both.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .config import DRAFT_METHODS, ReuseConfig
+from .kv import ChunkKV, chunk_key
+from .layers import LayerOps
+from .output import GenerationStats
+from .prompt import RAGPrompt, Segment, TokenizedPrompt
+from .runner import KVCache, full_prefill, prefill
+from .selection import SELECTORS, Selection, budget_for, hidden_states
+from .store import KVStore
+
+
+@dataclass
+class Blended:
+    logits: torch.Tensor | None     # of the last prompt token (None where the engine computes it itself)
+    recomputed: torch.Tensor        # positions that went through the model
+    missed: list[Segment]           # chunks not in the store (their tokens were recomputed)
+
+
+class Blender:
+    """Blends prompts for one target: its layer ops, the store, the fingerprint in every key, the sink.
+
+    draft: () → (draft LayerOps, draft tokenizer), called only for methods that score with a draft.
+    hidden_states / selector: what selectors use to run a plain prefill with capture and to resolve a
+    method name (the bench passes memoized / experimental ones)."""
+
+    def __init__(self, ops: LayerOps, store: KVStore, fingerprint: str, sink_ids: list[int],
+                 draft: Callable[[], tuple[LayerOps, object]] | None = None,
+                 hidden_states: Callable = hidden_states, selector: Callable[[str], Callable] = SELECTORS.__getitem__):
+        self.ops, self.store, self.fingerprint, self.sink_ids = ops, store, fingerprint, sink_ids
+        self.draft, self.hidden_states, self.selector = draft, hidden_states, selector
+
+    @torch.inference_mode()
+    def chunk_kv(self, token_ids: list[int], key: str, text: str) -> ChunkKV:
+        """The chunk prefilled alone (after the sink tokens, whose entries are dropped), keys before RoPE."""
+        cache, _ = full_prefill(self.ops, torch.tensor(self.sink_ids + list(token_ids)), keep_pre_rope=True)
+        return chunk_entry(cache, len(self.sink_ids), len(self.sink_ids) + len(token_ids), token_ids, key, text)
+
+    def load(self, tokens: TokenizedPrompt, cache: KVCache, stats: GenerationStats,
+             keys: dict[int, str] | None = None) -> tuple[torch.Tensor, list[Segment]]:
+        """Put every stored chunk's KV, rotated to its true positions, into ``cache`` → (reusable [N], missed).
+
+        keys: chunk start → store key, where a caller already matched the chunk (its tokens may then be
+        a prefix of the entry's: by causality the KV of a chunk's first tokens does not depend on the rest)."""
+        reusable = torch.zeros(len(tokens), dtype=torch.bool)
+        missed = []
+        for seg in tokens.chunk_segments():
+            ids = tokens.token_ids[seg.start:seg.end]
+            entry = self.store.get((keys or {}).get(seg.start) or chunk_key(self.fingerprint, ids))
+            n = len(ids)
+            if entry is None or entry.token_ids[:n] != ids:
+                stats.cache_misses += 1
+                missed.append(seg)
+                continue
+            stats.cache_hits += 1
+            positions = torch.arange(seg.start, seg.end)
+            cache.k[:, :, seg.start:seg.end] = self.ops.rotate(entry.k[:, :, :n].to(cache.k.dtype), positions)
+            cache.v[:, :, seg.start:seg.end] = entry.v[:, :, :n].to(cache.v.dtype)
+            reusable[seg.start:seg.end] = True
+        return reusable, missed
+
+    @torch.inference_mode()
+    def blend(self, tokens: TokenizedPrompt, cache: KVCache, reuse: ReuseConfig, stats: GenerationStats,
+              prompt: RAGPrompt | None = None, keys: dict[int, str] | None = None) -> Blended:
+        """Fill ``cache`` for every prompt position by ``reuse.method``; statistics go into ``stats``."""
+        n = len(tokens)
+        if reuse.method == "full":
+            t = time.perf_counter()
+            logits = prefill(self.ops, cache, tokens.ids, torch.arange(n))
+            stats.recompute_s, stats.recomputed_tokens = time.perf_counter() - t, n
+            return Blended(logits, torch.arange(n), [])
+
+        t = time.perf_counter()
+        reusable, missed = self.load(tokens, cache, stats, keys)
+        stats.load_s = time.perf_counter() - t
+        draft, draft_tokenizer = self.draft() if reuse.method in DRAFT_METHODS and self.draft else (None, None)
+        sel = Selection(tokens, reusable, budget_for(reuse.recompute_ratio, int(reusable.sum())), reuse,
+                        prompt=prompt, draft=draft, draft_tokenizer=draft_tokenizer, hidden_states=self.hidden_states)
+        t = time.perf_counter()
+        logits, recomputed = self.selector(reuse.method)(self.ops, cache, sel, (~reusable).nonzero().flatten())
+        stats.draft_s = sel.timings.get("select_s", 0.0)
+        stats.draft_forward_s = sel.timings.get("draft_forward_s", 0.0)
+        stats.recompute_s = time.perf_counter() - t - stats.draft_s
+        stats.recomputed_tokens = recomputed.numel()
+        stats.reused_tokens = n - stats.recomputed_tokens
+        return Blended(logits, recomputed, missed)
+
+    def store_missed(self, tokens: TokenizedPrompt, missed: list[Segment], stats: GenerationStats) -> None:
+        """Compute each missed chunk alone and store it, so the next prompt finds it."""
+        t = time.perf_counter()
+        for seg in missed:
+            ids = tokens.token_ids[seg.start:seg.end]
+            key = chunk_key(self.fingerprint, ids)
+            if not self.store.contains(key):
+                self.store.put(self.chunk_kv(ids, key, seg.text))
+                stats.stored_chunks += 1
+        stats.fill_s += time.perf_counter() - t
+
+
+def chunk_entry(cache: KVCache, start: int, end: int, token_ids: list[int], key: str, text: str) -> ChunkKV:
+    """Positions [start, end) of a cache filled with ``keep_pre_rope`` as a store entry."""
+    return ChunkKV(key, list(token_ids), cache.k_pre[:, :, start:end].clone(), cache.v[:, :, start:end].clone(),
+                   meta={"text": text})

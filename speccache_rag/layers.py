@@ -1,0 +1,103 @@
+"""Layer operations: the few model-specific steps the runner drives, for HF llama/qwen2 modules.
+
+:func:`speccache_rag.runner.run_layers` is the one layer loop and the one attention (SDPA, causal by
+true position, K/V written before attending). What differs between model implementations — where
+the projections live, how RoPE is applied, the MLP — sits behind :class:`LayerOps`. This module
+holds the HF adapter; ``speccache_rag.vllm.layers`` holds vLLM's. Keys are rotated with the model's
+own rotary embedding, so every rope variant a checkpoint declares (llama3, yarn, linear) is kept.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+
+
+class LayerOps(Protocol):
+    """A decoder-only model as the runner sees it."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    scaling: float                  # softmax scale of the attention
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[S] → residual stream [S, hidden]."""
+
+    def rope(self, positions: torch.Tensor, like: torch.Tensor):
+        """Whatever ``attention_inputs`` needs to rotate at ``positions`` (computed once per pass)."""
+
+    def attention_inputs(self, layer: int, h: torch.Tensor, rope) -> tuple[torch.Tensor, ...]:
+        """h [S, hidden] → q [H, S, D] rotated, k before RoPE, k rotated, v (each [KVH, S, D])."""
+
+    def attention_output(self, layer: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Residual h [S, hidden] and attention o [S, H*D] → the layer's output residual (o_proj, MLP)."""
+
+    def logits(self, h_last: torch.Tensor) -> torch.Tensor | None:
+        """Residual of the last token [hidden] → next-token logits [vocab] in float32."""
+
+    def rotate(self, k_pre: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Stored keys before RoPE [layers, KVH, S, D] → rotated to ``positions`` [S]."""
+
+
+def check_arch(model) -> None:
+    arch = model.config.model_type
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"architecture {arch!r} is not supported by the runner (supported: {', '.join(SUPPORTED_ARCHS)})")
+    if getattr(model.config, "use_sliding_window", False):
+        raise ValueError("sliding-window attention is not supported by the runner")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [..., S, head_dim]; cos, sin: [S, head_dim]."""
+    return x * cos + rotate_half(x) * sin
+
+
+class HFLayers:
+    """LayerOps over a transformers ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``."""
+
+    def __init__(self, model):
+        check_arch(model)
+        cfg = model.config
+        self.model = model
+        self.blocks = model.model.layers
+        self.num_layers = cfg.num_hidden_layers
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.dtype = next(model.parameters()).dtype
+        self.scaling = self.blocks[0].self_attn.scaling
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.model.embed_tokens(token_ids)
+
+    def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.model.model.rotary_emb(like, positions[None])        # [1, S, D] each
+        return cos[0], sin[0]
+
+    def attention_inputs(self, layer: int, h: torch.Tensor, rope):
+        block, S = self.blocks[layer], h.shape[0]
+        attn = block.self_attn
+        x = block.input_layernorm(h)
+        q = attn.q_proj(x).view(S, -1, self.head_dim).transpose(0, 1)
+        k = attn.k_proj(x).view(S, -1, self.head_dim).transpose(0, 1)
+        v = attn.v_proj(x).view(S, -1, self.head_dim).transpose(0, 1)
+        return apply_rope(q, *rope), k, apply_rope(k, *rope), v
+
+    def attention_output(self, layer: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        block = self.blocks[layer]
+        h = h + block.self_attn.o_proj(o)
+        return h + block.mlp(block.post_attention_layernorm(h))
+
+    def logits(self, h_last: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.model.norm(h_last)).float()
+
+    def rotate(self, k_pre: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return apply_rope(k_pre, *self.rope(positions, k_pre))

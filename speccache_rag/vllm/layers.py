@@ -1,0 +1,106 @@
+"""LayerOps over vLLM's llama / qwen2 modules, and the copy of a dense cache into vLLM's paged one.
+
+The runner (:mod:`speccache_rag.runner`) drives these exactly as it drives HF's: fused QKV, vLLM's
+rotary embedding (which rotates in place, so the pre-RoPE keys are copied first), fused gate/up
+MLP. The blended cache is written into vLLM's paged blocks through the attention backend's own
+``do_kv_cache_update``: the CPU paged layout is ISA-specific and is never indexed directly.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..runner import KVCache
+
+
+class Unsupported(RuntimeError):
+    """The model cannot be blended by this runner; the connector falls back to plain prefill."""
+
+
+def check_model(model) -> None:
+    """Raise Unsupported unless ``model`` has the llama/qwen2 layout the runner drives."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not hasattr(inner, "embed_tokens"):
+        raise Unsupported(f"{type(model).__name__} has no model.layers / model.embed_tokens")
+    if getattr(inner, "start_layer", 0) != 0 or getattr(inner, "end_layer", len(layers)) != len(layers):
+        raise Unsupported("pipeline parallelism is not supported")
+    for layer in layers:
+        attn = getattr(layer, "self_attn", None)
+        for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
+            if not hasattr(layer, name):
+                raise Unsupported(f"decoder layer without {name}")
+        for name in ("qkv_proj", "o_proj", "rotary_emb", "attn", "q_size", "kv_size", "scaling"):
+            if not hasattr(attn, name):
+                raise Unsupported(f"attention without {name}")
+        if getattr(attn, "qk_norm", False):
+            raise Unsupported("QK-norm attention is not supported")
+        windows = (getattr(attn.attn, "sliding_window", None), getattr(attn.attn.impl, "sliding_window", None))
+        if any(w is not None and w not in (-1, (-1, -1)) for w in windows):   # -1: none (CPU backend)
+            raise Unsupported("sliding-window attention is not supported")
+        if getattr(attn.attn, "kv_sharing_target_layer_name", None):
+            raise Unsupported("KV sharing across layers is not supported")
+
+
+class VllmLayers:
+    """LayerOps over a vLLM ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (checked by :func:`check_model`)."""
+
+    def __init__(self, model):
+        check_model(model)
+        self.model = model
+        self.blocks = model.model.layers
+        attn = self.blocks[0].self_attn
+        self.num_layers = len(self.blocks)
+        self.num_kv_heads, self.head_dim = attn.attn.num_kv_heads, attn.attn.head_size
+        self.dtype = model.model.embed_tokens.weight.dtype
+        self.scaling = attn.scaling
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.model.embed_tokens(token_ids)
+
+    def rope(self, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return positions                        # vLLM's rotary embedding takes the positions themselves
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(x.shape[0], -1, self.head_dim).transpose(0, 1)        # [S, n*D] → [n, S, D]
+
+    def attention_inputs(self, layer: int, h: torch.Tensor, rope):
+        block = self.blocks[layer]
+        attn = block.self_attn
+        qkv, _ = attn.qkv_proj(block.input_layernorm(h))
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        k_pre = k.contiguous()
+        q, k = attn.rotary_emb(rope, q.contiguous(), k_pre.clone())
+        return self._heads(q), self._heads(k_pre), self._heads(k), self._heads(v.contiguous())
+
+    def attention_output(self, layer: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        block = self.blocks[layer]
+        out, _ = block.self_attn.o_proj(o)
+        h = h + out
+        return h + block.mlp(block.post_attention_layernorm(h))
+
+    def logits(self, h_last: torch.Tensor) -> None:
+        return None                             # vLLM computes the prompt's last token and samples it itself
+
+    def rotate(self, k_pre: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        layers, heads, s, d = k_pre.shape
+        out = torch.empty_like(k_pre)
+        for i in range(layers):
+            flat = k_pre[i].transpose(0, 1).reshape(s, heads * d).contiguous()
+            rotated, _ = self.blocks[i].self_attn.rotary_emb(positions, flat, None)
+            out[i] = rotated.view(s, heads, d).transpose(0, 1)
+        return out
+
+
+def write_paged(ops: VllmLayers, cache: KVCache, slots: torch.Tensor) -> None:
+    """Write dense positions [0, len(slots)) of every layer into vLLM's paged cache."""
+    n = slots.numel()
+    for i, block in enumerate(ops.blocks):
+        attn = block.self_attn.attn
+        k = cache.k[i, :, :n].transpose(0, 1).contiguous()                    # [T, kv_heads, D]
+        v = cache.v[i, :, :n].transpose(0, 1).contiguous()
+        attn.impl.do_kv_cache_update(attn, k, v, attn.kv_cache, slots)
+
+
+def slot_mapping(block_ids: list[int], block_size: int, n: int) -> torch.Tensor:
+    pos = torch.arange(n)
+    return torch.as_tensor(block_ids, dtype=torch.long)[pos // block_size] * block_size + pos % block_size

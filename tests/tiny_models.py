@@ -1,0 +1,48 @@
+"""Random-weight tiny models: for shape and exactness tests only, never for quality claims."""
+import torch
+
+from speccache_rag.models import load_tokenizer
+
+
+def tiny_random_model(arch: str = "llama", seed: int = 0, *, num_layers: int = 4, hidden_size: int = 64,
+                      num_heads: int = 4, num_kv_heads: int = 2, dtype: torch.dtype = torch.float32,
+                      tokenizer=None):
+    """A small random-weight ``llama`` or ``qwen2`` model with the real SmolLM2 tokenizer.
+
+    For shape and exactness tests only (never quality claims).  Deterministic in ``seed``; the
+    global RNG state is left untouched.  Pass ``tokenizer`` to skip loading SmolLM2's.
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
+    if tokenizer is None:
+        tokenizer = load_tokenizer("smollm2-135m")
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        # transformers' init leaves norms at 1 and may zero biases; perturb everything a little so
+        # that every parameter matters in exactness tests
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 1:
+                    p.add_(0.1 * torch.randn_like(p))
+    model.eval()
+    return model, tokenizer
