@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("full", "reuse", "epic", "cacheblend", "speccache", "qattn", "random", "oracle")
-DRAFT_METHODS = ("speccache",)          # the methods that run the draft model
-SINK_POLICIES = ("bos", "none")
+METHODS = ("full", "reuse", "epic", "cacheblend", "speccache", "norm", "qattn", "random", "oracle")
+DRAFT_METHODS = ("speccache", "norm")   # the methods that run the draft model
+AUTO_METHODS = ("qattn", "speccache", "norm", "cacheblend")   # score every token: recompute_ratio="auto" works
+SINK_POLICIES = ("bos", "prefix", "none")
 SPAN_RULES = ("smooth", "none")
 
 
@@ -14,19 +15,23 @@ class ReuseConfig:
     """Which prompt tokens the target recomputes, and how they are chosen.
 
     ``recompute_ratio`` is the share of *reusable* (cached-chunk) tokens that are recomputed on top
-    of the tokens that are always recomputed (prefix, separators, question, store misses).
+    of the tokens that are always recomputed (prefix, separators, question, store misses); ``"auto"``
+    chooses it per prompt: the fewest top-scored tokens that hold ``auto_mass`` of the method's score
+    mass, within ``auto_range``.
     """
 
     method: str = "qattn"               # chosen by evidence: docs/benchmarks.md
-    recompute_ratio: float = 0.15
+    recompute_ratio: float | str = 0.15
+    auto_mass: float = 0.5              # recompute_ratio="auto": share of the score mass to cover
+    auto_range: tuple[float, float] = (0.05, 0.30)   # recompute_ratio="auto": bounds of the ratio
     epic_k: int | None = None           # None: chosen so that the budget equals recompute_ratio
     cacheblend_check_layer: int = 1     # layers 0..check_layer run over every token
-    draft_layers: float = 1 / 3         # speccache/oracle score with the last third of the layers
+    draft_layers: float = 1 / 3         # norm/oracle score with the last third of the layers
     span_rule: str = "smooth"
     tau_smooth: float = 0.4
     tau_cover: float = 0.7
     max_span: int = 16
-    qattn_layers: tuple[float, float] = (0.5, 1.0)   # qattn scores with the deeper half of the layers
+    qattn_layers: tuple[float, float] = (0.5, 1.0)   # qattn and speccache score with the deeper half
     qattn_pool: int = 1                 # qattn: max-pool window over positions (1 = none)
     qattn_heads: str = "mean"           # qattn: "mean" or "max" over heads
     qattn_sink: int = 0                 # qattn: the first k tokens of every chunk are chosen first
@@ -35,8 +40,16 @@ class ReuseConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        if not isinstance(self.recompute_ratio, (int, float)) or not 0.0 <= self.recompute_ratio <= 1.0:
-            raise ValueError(f"recompute_ratio must be within [0, 1], got {self.recompute_ratio!r}")
+        if self.recompute_ratio == "auto":
+            if self.method not in AUTO_METHODS:
+                raise ValueError(f"recompute_ratio='auto' needs a scoring method ({', '.join(AUTO_METHODS)}), "
+                                 f"not {self.method!r}")
+        elif not isinstance(self.recompute_ratio, (int, float)) or not 0.0 <= self.recompute_ratio <= 1.0:
+            raise ValueError(f"recompute_ratio must be within [0, 1] or 'auto', got {self.recompute_ratio!r}")
+        lo, hi = self.auto_range
+        if not 0.0 <= lo <= hi <= 1.0 or not 0.0 < self.auto_mass <= 1.0:
+            raise ValueError(f"need 0 <= auto_range[0] <= auto_range[1] <= 1 and auto_mass in (0, 1], got "
+                             f"auto_range={self.auto_range!r}, auto_mass={self.auto_mass!r}")
         if self.epic_k is not None and self.epic_k < 0:
             raise ValueError(f"epic_k must be >= 0, got {self.epic_k}")
         if self.cacheblend_check_layer < 0:

@@ -11,7 +11,7 @@ from .hardware import configure_threads, dtype_name, resolve_dtype
 from .blend import Blender
 from .kv import ChunkKV, chunk_key, model_fingerprint
 from .layers import HFLayers
-from .output import GenerationOutput, GenerationStats, GenerationStream
+from .output import GenerationOutput, GenerationStats, GenerationStream, StreamingEngine
 from .prompt import RAGPrompt, TokenizedPrompt, render, sink_token_ids, tokenize_piece
 from .runner import KVCache, decode_one
 from .sampling import StopTextBuffer, sample
@@ -19,7 +19,7 @@ from .selection import SELECTORS, hidden_states
 from .store import KVStore, open_store
 
 
-class SpecCacheEngine:
+class SpecCacheEngine(StreamingEngine):
     """Reuses per-chunk KV caches for RAG prompts and repairs them by recomputing chosen tokens.
 
     Build it with :meth:`from_pretrained`; call :meth:`precompute` at ingestion and
@@ -89,14 +89,6 @@ class SpecCacheEngine:
         return self.blender.chunk_kv(token_ids, key, text)
 
     # ---- query ----------------------------------------------------------------------------------
-    def generate(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
-                 temperature: float = 0.0, top_p: float = 1.0, stop: Iterable[str] | str | None = None,
-                 seed: int | None = None, return_first_logits: bool = False) -> GenerationOutput:
-        stream = self.stream(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits)
-        for _ in stream:
-            pass
-        return stream.output
-
     def generate_many(self, prompts: Iterable[RAGPrompt], max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                       **kwargs) -> list[GenerationOutput]:
         """``generate`` for each prompt, in order (the torch engine computes one prompt at a time)."""

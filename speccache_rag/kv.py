@@ -94,4 +94,8 @@ def model_fingerprint(model, tokenizer, sink: str) -> str:
     vocab = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
     h.update(hashlib.sha256(vocab.encode()).digest())
     h.update(f"dtype={next(model.parameters()).dtype};layout={KV_LAYOUT_VERSION};sink={sink}".encode())
+    if sink == "prefix":                    # the prefix itself is part of every key
+        from .prompt import sink_token_ids
+
+        h.update(torch.tensor(sink_token_ids(tokenizer, sink), dtype=torch.int64).numpy().tobytes())
     return h.hexdigest()

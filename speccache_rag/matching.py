@@ -72,7 +72,7 @@ class RecentRetrievals:
             self._batches.clear()
 
 
-class ChunkIndex:
+class ChunkTextIndex:
     """The texts of the chunks an engine knows, searchable inside any prompt string.
 
     Thread-safe. Texts come from ``add`` (precompute, hints seen in prompts) and from ``sync``,
@@ -173,7 +173,7 @@ def stored_text(store, key: str) -> str | None:
     return entry.meta.get("text") if entry is not None else None
 
 
-def split_chunks(content: str, index: ChunkIndex, hints: Iterable[str] = (),
+def split_chunks(content: str, index: ChunkTextIndex, hints: Iterable[str] = (),
                  chunks: list[str] | None = None) -> list[_Part]:
     """``content`` as literal text and chunk indices; found chunks are appended to ``chunks``."""
     chunks = [] if chunks is None else chunks
@@ -190,7 +190,7 @@ def split_chunks(content: str, index: ChunkIndex, hints: Iterable[str] = (),
     return parts
 
 
-def match_prompt(prompt: str | Sequence[dict], index: ChunkIndex, hints: Iterable[str] = ()) -> ChatPrompt:
+def match_prompt(prompt: str | Sequence[dict], index: ChunkTextIndex, hints: Iterable[str] = ()) -> ChatPrompt:
     """A ``ChatPrompt`` for a completion prompt (one user message) or a list of ``{"role", "content"}``
     messages, with every chunk known to ``index`` or named in ``hints`` marked for reuse."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
@@ -210,15 +210,15 @@ def match_prompt(prompt: str | Sequence[dict], index: ChunkIndex, hints: Iterabl
     return ChatPrompt(chunks=chunks, question=question, turns=turns)
 
 
-_INDEXES: "weakref.WeakKeyDictionary[object, ChunkIndex]" = weakref.WeakKeyDictionary()
+_INDEXES: "weakref.WeakKeyDictionary[object, ChunkTextIndex]" = weakref.WeakKeyDictionary()
 _INDEXES_LOCK = threading.Lock()
 
 
-def chunk_index(engine) -> ChunkIndex:
-    """The ``ChunkIndex`` shared by everything that uses ``engine`` (one per engine)."""
+def chunk_index(engine) -> ChunkTextIndex:
+    """The ``ChunkTextIndex`` shared by everything that uses ``engine`` (one per engine)."""
     with _INDEXES_LOCK:
         if engine not in _INDEXES:
-            _INDEXES[engine] = ChunkIndex()
+            _INDEXES[engine] = ChunkTextIndex()
         return _INDEXES[engine]
 
 

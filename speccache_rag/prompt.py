@@ -79,9 +79,14 @@ def sink_token_ids(tokenizer, sink: str = "bos") -> list[int]:
     """The tokens a chunk is prefilled after when its KV is computed alone (their entries are dropped).
 
     ``"bos"``: the BOS token, or where the tokenizer has none (Qwen) the template's own first token, which
-    plays the sink in real prompts; ``"none"``: nothing."""
+    plays the sink in real prompts; ``"prefix"``: the whole template up to the first chunk with the default
+    system message (APE / FusionRAG: every chunk read behind the prefix prompts share, one sink for all);
+    ``"none"``: nothing."""
     if sink == "none":
         return []
+    if sink == "prefix":
+        tokens = render(RAGPrompt(chunks=["\uE001"], question="?"), tokenizer)
+        return tokens.token_ids[: tokens.chunk_segments()[0].start]
     if tokenizer.bos_token_id is not None:
         return [tokenizer.bos_token_id]
     return render(RAGPrompt(question="?"), tokenizer).token_ids[:1]

@@ -82,11 +82,12 @@ def prefill(ops: LayerOps, cache: KVCache, token_ids: torch.Tensor, positions: t
 
 
 def full_prefill(ops: LayerOps, token_ids: torch.Tensor, capacity: int | None = None, keep_pre_rope: bool = False,
-                 capture: dict[int, torch.Tensor] | None = None) -> tuple[KVCache, torch.Tensor | None]:
+                 capture: dict[int, torch.Tensor] | None = None,
+                 observe: Observer | None = None) -> tuple[KVCache, torch.Tensor | None]:
     """Plain prefill of token_ids [N] at positions 0..N-1 → (cache, last-token logits)."""
     n = token_ids.shape[0]
     cache = KVCache.empty(ops, capacity or n, keep_pre_rope=keep_pre_rope)
-    return cache, prefill(ops, cache, token_ids, torch.arange(n), capture=capture)
+    return cache, prefill(ops, cache, token_ids, torch.arange(n), capture=capture, observe=observe)
 
 
 def decode_one(ops: LayerOps, cache: KVCache, token_id: int, position: int) -> torch.Tensor:

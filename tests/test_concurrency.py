@@ -17,7 +17,7 @@ CHUNKS = [
 ]
 QUESTIONS = ["In which year was the founder of Zorblat Industries born?", "Which river flows through Vessendorf?",
              "When is the kettle festival held?", "Who founded Zorblat Industries?"]
-METHODS = ["full", "reuse", "epic", "cacheblend", "speccache", "qattn", "random", "oracle"]
+METHODS = ["full", "reuse", "epic", "cacheblend", "speccache", "norm", "qattn", "random", "oracle"]
 
 
 @pytest.fixture(scope="module")

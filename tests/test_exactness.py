@@ -8,7 +8,7 @@ from speccache_rag.layers import HFLayers
 from speccache_rag.runner import KVCache, decode_one, full_prefill, prefill
 from tiny_models import tiny_random_model
 
-ALL_BUT_REUSE = ["full", "epic", "cacheblend", "speccache", "qattn", "random", "oracle"]
+ALL_BUT_REUSE = ["full", "epic", "cacheblend", "speccache", "norm", "qattn", "random", "oracle"]
 
 CHUNKS = [
     "Zorblat Industries was founded in 1987 by Mira Quell in the town of Vessendorf. The company makes "

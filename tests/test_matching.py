@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from speccache_rag import ReuseConfig, SpecCacheEngine
-from speccache_rag.matching import (ANCHOR_CHARS, ChatPrompt, ChunkIndex, astream_text, chunk_index, match_prompt,
+from speccache_rag.matching import (ANCHOR_CHARS, ChatPrompt, ChunkTextIndex, astream_text, chunk_index, match_prompt,
                                     precompute_texts, prompt_from_text, stored_text, stream_text)
 from tiny_models import tiny_random_model
 from speccache_rag.prompt import render, tokenize_piece
@@ -29,14 +29,14 @@ def engine(tiny):
 
 
 def test_finds_chunks_sharing_a_metadata_prefix_between_template_text():
-    index = ChunkIndex()
+    index = ChunkTextIndex()
     index.add([HARBOUR, FERRY, LIBRARY])
     text = f"Context information is below.\n---\n{FERRY}\n\n{HARBOUR}\n---\nQuery: When?\nAnswer: "
     assert [text[a:b] for a, b in index.find(text)] == [FERRY, HARBOUR]
 
 
 def test_partial_or_word_splitting_occurrences_are_plain_text():
-    index = ChunkIndex()
+    index = ChunkTextIndex()
     index.add([HARBOUR, LIBRARY])
     assert index.find(f"Context: {HARBOUR[:-1]}") == []                     # truncated by a repacker
     assert index.find(f"Context: x{LIBRARY}") == []                          # would cut the word "xThe"
@@ -46,7 +46,7 @@ def test_partial_or_word_splitting_occurrences_are_plain_text():
 def test_short_chunks_are_matched_only_when_hinted():
     heading = "# The Kettlewick Cooperative"
     assert len(heading) < ANCHOR_CHARS
-    index = ChunkIndex()
+    index = ChunkTextIndex()
     index.add([heading])
     text = f"Context:\n{heading}\n\n{LIBRARY}"
     assert index.find(text) == []
@@ -54,7 +54,7 @@ def test_short_chunks_are_matched_only_when_hinted():
 
 
 def test_overlapping_candidates_keep_the_earlier_then_longer():
-    index = ChunkIndex()
+    index = ChunkTextIndex()
     inner = LIBRARY[: len(LIBRARY) - 20].rstrip()
     index.add([LIBRARY, inner])
     assert index.find(f"A: {LIBRARY}") == [(3, 3 + len(LIBRARY))]
@@ -62,7 +62,7 @@ def test_overlapping_candidates_keep_the_earlier_then_longer():
 
 def test_messages_round_trip_and_chunks_tokenize_as_precomputed(tiny):
     _, tok = tiny
-    index = ChunkIndex()
+    index = ChunkTextIndex()
     index.add([HARBOUR, FERRY])
     messages = [{"role": "system", "content": f"Use this context.\n\n{HARBOUR}"},
                 {"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi!"},
@@ -78,10 +78,10 @@ def test_messages_round_trip_and_chunks_tokenize_as_precomputed(tiny):
 
 
 def test_a_completion_prompt_is_one_user_message():
-    prompt = match_prompt("just a question", ChunkIndex())
+    prompt = match_prompt("just a question", ChunkTextIndex())
     assert prompt.chunks == [] and prompt.messages([]) == [{"role": "user", "content": "just a question"}]
     with pytest.raises(ValueError):
-        match_prompt("   ", ChunkIndex())
+        match_prompt("   ", ChunkTextIndex())
 
 
 def test_index_learns_stored_texts_from_other_writers(tiny, tmp_path):

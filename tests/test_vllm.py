@@ -25,7 +25,7 @@ from speccache_rag.config import METHODS, ReuseConfig
 from speccache_rag.kv import ChunkKV, chunk_key
 from speccache_rag.prompt import DEFAULT_SYSTEM, RAGPrompt, render, tokenize_piece
 from speccache_rag.store import DiskStore, MemoryStore
-from speccache_rag.vllm.lookup import ChunkIndex, peek_token_ids
+from speccache_rag.vllm.lookup import StoredChunkIndex, peek_token_ids
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 if os.environ.get("SPECCACHE_REQUIRE_VLLM") == "1" and not HAVE_VLLM:   # CI's vLLM run must not skip
@@ -60,7 +60,7 @@ def test_chunk_index_finds_stored_chunks_by_token_content(tmp_path, kind):
     store.put(_fake_entry("fp", a))
     store.put(_fake_entry("fp", b))
     store.put(_fake_entry("other-model", list(range(300, 320))))      # another model's entry: never matched
-    index = ChunkIndex(store, "fp", head=8)
+    index = StoredChunkIndex(store, "fp", head=8)
     index.refresh()
     assert len(index) == 2
     prompt = [1, 2, 3] + b + [9, 9] + a + list(range(300, 320)) + [7]
@@ -349,12 +349,12 @@ def test_concurrent_requests_with_different_chunk_sets_blend_in_one_step(engine)
 
 @needs_vllm
 def test_a_failing_blend_is_recomputed_by_vllm_never_served(engine, prompt, full, monkeypatch):
-    from speccache_rag.vllm.blend import Blender
+    from speccache_rag.vllm.blend import PagedBlender
 
     def boom(self, *args, **kwargs):
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(Blender, "blend", boom)
+    monkeypatch.setattr(PagedBlender, "blend", boom)
     out = engine.generate(prompt, max_new_tokens=16, reuse=ReuseConfig(method="speccache"))
     assert out.token_ids == full.token_ids
     assert out.stats.recomputed_tokens == out.stats.prompt_tokens and out.stats.cache_hits == 0

@@ -16,7 +16,7 @@ _EXPORTS = {
     "Example": "data", "synthetic": "data", "make_example": "data", "load_longbench": "data",
     "normalize_answer": "metrics", "f1_score": "metrics", "exact_match": "metrics", "rouge_l": "metrics",
     "task_scores": "metrics", "first_token_fidelity": "metrics",
-    "write_report": "report", "run_suite": "runner",
+    "write_report": "report", "run_suite": "suite_run",
     "SUITES": "suites", "Suite": "suites", "get_suite": "suites",
     "add_arguments": "cli", "main": "cli", "run_from_args": "cli",
 }

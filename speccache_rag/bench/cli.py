@@ -6,6 +6,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
+from ..config import SINK_POLICIES
 from .suites import SUITES, Suite, get_suite
 
 
@@ -51,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="quality (scores, fidelity, agreement) and/or ttft (timings); default: both")
     p.add_argument("--shard", default="0/1", metavar="K/N",
                    help="only prompts with index K mod N: N processes with the same --out and --resume split a suite")
+    p.add_argument("--sink", default=None, choices=SINK_POLICIES,
+                   help="chunk-KV policy: bos (default), prefix (behind the shared template prefix) or none")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -62,7 +65,7 @@ def suite_from_args(args: argparse.Namespace) -> Suite:
         pairs=pairs, methods=_csv(args.methods) if args.methods else None, ttft_methods=ttft,
         n_per_task=args.per_task, n_chunks=args.chunks, chunk_tokens=args.bench_chunk_tokens,
         ttft_examples=args.ttft_prompts if ttft != [] else 0, ttft_reps=args.reps,
-        max_new_tokens=args.bench_max_new_tokens, sweep_examples=args.sweep_prompts)
+        max_new_tokens=args.bench_max_new_tokens, sweep_examples=args.sweep_prompts, sink=args.sink)
 
 
 def _pairs(text: str) -> list[tuple[str, str]]:
@@ -90,7 +93,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from .report import write_report
-    from .runner import run_suite
+    from .suite_run import run_suite
 
     out = Path(args.out or f"bench-results/{args.suite}")
     if args.threads:

@@ -1,7 +1,8 @@
 """Benchmark methods: names ↔ ReuseConfig, and the two experimental selectors beyond the paper.
 
 Method names used in suites and results:
-    full · reuse · epic@R (k chosen to fill the budget) · epic-kK · cacheblend@R · speccache@R ·
+    full · reuse · epic@R (k chosen to fill the budget) · epic-kK · cacheblend@R · speccache@R · norm@R ·
+    qattn@R ·
     random@R · oracle@R · static@R · deviation@R
 
 ``static`` and ``deviation`` are experiments (issue 5, part 6), implemented here on top of the
@@ -29,8 +30,8 @@ from ..selection import Selection, hidden_states
 from ..selection.registry import recompute_picked
 from ..selection.speculative import select_by_draft_scores
 
-FAMILIES = ("epic", "cacheblend", "speccache", "qattn", "random", "oracle", "static", "deviation")
-DRAFT_FAMILIES = ("speccache", "static", "deviation")
+FAMILIES = ("epic", "cacheblend", "speccache", "norm", "qattn", "random", "oracle", "static", "deviation")
+DRAFT_FAMILIES = ("speccache", "norm", "static", "deviation")
 EXPERIMENTS = ("static", "deviation")
 
 
@@ -52,7 +53,7 @@ class MethodSpec:
             return ReuseConfig(method="reuse", recompute_ratio=0.0)
         if self.family == "epic" and self.epic_k is not None:
             return ReuseConfig(method="epic", epic_k=self.epic_k, recompute_ratio=1.0)
-        engine_method = "speccache" if self.family in EXPERIMENTS else self.family
+        engine_method = "norm" if self.family in EXPERIMENTS else self.family
         return ReuseConfig(method=engine_method, recompute_ratio=self.ratio)
 
 

@@ -43,6 +43,7 @@ class Suite:
     seed: int = 0
     agreement: bool = True
     tasks: tuple[str, ...] = TASKS
+    sink: str = "bos"                            # chunk-KV policy (``SpecCacheEngine(sink=...)``)
 
     def validate(self) -> "Suite":
         from .methods import parse_method

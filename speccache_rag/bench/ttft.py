@@ -87,7 +87,7 @@ def run_ttft_suite(suite: TimingSuite, out: str | Path, progress: bool = True, c
                    loader=None) -> Path:
     from tqdm.auto import tqdm
 
-    from .runner import environment
+    from .suite_run import environment
 
     suite.validate()
     out = Path(out)

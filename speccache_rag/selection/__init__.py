@@ -4,9 +4,9 @@ Every selector chooses positions among ``Selection.reusable`` (tokens whose KV c
 at most ``Selection.budget`` of them; the tokens that have no cached KV (template text, question,
 store misses) are always recomputed. ``SELECTORS[method]`` runs one.
 """
-from .base import Selection, budget_for, hidden_states, top_positions
+from .base import Selection, adaptive_budget, budget_for, hidden_states, top_positions
 from .registry import SELECTORS, blend_selector, position_selector
-from . import cacheblend, oracle, question_attention, speculative, static  # noqa: F401  (they register)
+from . import cacheblend, draft_attention, oracle, question_attention, speculative, static  # noqa: F401  (they register)
 
-__all__ = ["SELECTORS", "Selection", "blend_selector", "budget_for", "hidden_states", "position_selector",
+__all__ = ["SELECTORS", "Selection", "adaptive_budget", "blend_selector", "budget_for", "hidden_states", "position_selector",
            "top_positions"]

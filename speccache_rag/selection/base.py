@@ -46,9 +46,27 @@ class Selection:
         return self.reusable.nonzero().flatten()
 
 
-def budget_for(ratio: float, num_reusable: int) -> int:
+def budget_for(ratio: float | str, num_reusable: int, config: ReuseConfig | None = None) -> int:
+    """How many of ``num_reusable`` tokens a ratio recomputes; for ``"auto"``, the upper bound of its range."""
+    if ratio == "auto":
+        ratio = (config or ReuseConfig()).auto_range[1]
     # The epsilon keeps 0.15 * 100 from rounding up to 16 through float error.
     return min(num_reusable, math.ceil(ratio * num_reusable - 1e-9))
+
+
+def adaptive_budget(scores: torch.Tensor, config: ReuseConfig) -> int:
+    """How many of the candidates scored ``scores`` [C] to recompute: the fixed ratio's share, or for
+    ``recompute_ratio="auto"`` the fewest top-scored ones holding ``auto_mass`` of the (non-negative)
+    score mass, within ``auto_range``."""
+    n = scores.numel()
+    if config.recompute_ratio != "auto":
+        return budget_for(config.recompute_ratio, n)
+    lo, hi = (budget_for(r, n) for r in config.auto_range)
+    mass = scores.float().clamp_min(0).sort(descending=True).values.cumsum(0)
+    if n == 0 or mass[-1] <= 0:
+        return hi
+    k = int((mass < config.auto_mass * mass[-1] * (1 - 1e-6)).sum()) + 1
+    return max(lo, min(hi, k))
 
 
 def top_positions(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..runner import KVCache, run_layers
-from .base import Selection, top_positions
+from .base import Selection, adaptive_budget, top_positions
 from .registry import blend_selector
 
 
@@ -20,7 +20,8 @@ def cacheblend_prefill(ops, cache: KVCache, sel: Selection, always: torch.Tensor
     v_cached = cache.v[c, :, :n].clone()                                    # [KVH, N, D]
     h = run_layers(ops, cache, ops.embed(sel.tokens.ids), torch.arange(n), layers=range(c + 1))
     deviation = (cache.v[c, :, :n] - v_cached).pow(2).sum(dim=(0, 2))      # [N]
-    chosen = top_positions(deviation, sel.reusable_positions, sel.budget)
+    candidates = sel.reusable_positions
+    chosen = top_positions(deviation, candidates, min(sel.budget, adaptive_budget(deviation[candidates], sel.config)))
     keep = torch.cat([chosen, always]).unique()                             # sorted
     h = run_layers(ops, cache, h[keep], keep, layers=range(c + 1, ops.num_layers))
     return ops.logits(h[-1]), keep

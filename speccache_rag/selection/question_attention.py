@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..runner import KVCache, prefill
-from .base import Selection, top_positions
+from .base import Selection, adaptive_budget, top_positions
 from .registry import blend_selector
 
 
@@ -73,7 +73,8 @@ def question_probe(ops, sel: Selection, recomputed: torch.Tensor) -> QuestionAtt
 def second_pass(probe: QuestionAttention, sel: Selection, recomputed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """After the first pass → (chosen positions, positions to recompute again). Recomputed tokens before the
     first chosen one read nothing stale: their first pass is final."""
-    chosen = top_positions(qattn_scores(probe, sel), sel.reusable_positions, sel.budget)
+    scores, candidates = qattn_scores(probe, sel), sel.reusable_positions
+    chosen = top_positions(scores, candidates, min(sel.budget, adaptive_budget(scores[candidates], sel.config)))
     return chosen, torch.cat([chosen, recomputed[recomputed > chosen[0]]]).unique()
 
 

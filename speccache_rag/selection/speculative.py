@@ -1,4 +1,5 @@
-"""SpecCache selection: the paper's three steps — score with the draft, expand to spans, map to the target.
+"""The paper's selection (method ``norm``): score with the draft's deep-layer norms, expand to spans, map to
+the target. Steps 2 and 3 (``select_by_draft_scores``) serve every draft scorer (``speccache`` too).
 
 The draft reads the prompt through its own chat template and tokenizer; tokens meet the target's
 by character offsets inside the chunk text they both contain, so any tokenizer pair works. Steps 2
@@ -12,7 +13,7 @@ import time
 import torch
 
 from ..prompt import TokenizedPrompt
-from .base import Selection, budget_for, deep_layer_norms, hidden_states
+from .base import Selection, adaptive_budget, budget_for, deep_layer_norms, hidden_states
 from .registry import position_selector
 
 
@@ -88,7 +89,7 @@ def map_to_target(draft_tokens: TokenizedPrompt, target_tokens: TokenizedPrompt)
     return torch.cat(pairs_d), torch.cat(pairs_t)
 
 
-@position_selector("speccache")
+@position_selector("norm")
 def speculative_select(sel: Selection, ops=None) -> torch.Tensor:
     """The paper's method: the draft reads the whole prompt; its deep-layer norms choose the tokens."""
     draft_tokens = sel.draft_tokens()
@@ -111,7 +112,9 @@ def select_by_draft_scores(sel: Selection, draft_tokens: TokenizedPrompt, scores
     chunk_start[torch.tensor([0] + [s.end - s.start for s in segs[:-1]]).cumsum(0)] = True
     spans = (span_ids(scores, candidates, chunk_start, cfg.tau_smooth, cfg.max_span)
              if cfg.span_rule == "smooth" else None)
-    k = budget_for(cfg.recompute_ratio, candidates.numel())
+    k = adaptive_budget(scores[candidates], cfg)
+    budget = sel.budget if cfg.recompute_ratio != "auto" else min(sel.budget, budget_for(
+        k / candidates.numel(), int(sel.reusable.sum())))
     priority = candidates[expand(scores[candidates], spans, k, cfg.tau_cover)]        # draft positions, best first
 
     # Walk the priority order through the draft→target pairs; a target position counts at its first pair.
@@ -123,10 +126,10 @@ def select_by_draft_scores(sel: Selection, draft_tokens: TokenizedPrompt, scores
     n = len(sel.tokens)
     first = torch.full((n,), priority.numel(), dtype=torch.long).scatter_reduce(0, pt, rank_of_draft[pd], "amin")
     ranked = (first < priority.numel()).nonzero().flatten()
-    chosen = ranked[first[ranked].argsort(stable=True)][: sel.budget]
-    if chosen.numel() < sel.budget:
+    chosen = ranked[first[ranked].argsort(stable=True)][:budget]
+    if chosen.numel() < budget:
         # Target tokens no draft token overlaps (rare: offset gaps) still count toward a full budget.
         rest = sel.reusable.clone()
         rest[chosen] = False
-        chosen = torch.cat([chosen, rest.nonzero().flatten()[: sel.budget - chosen.numel()]])
+        chosen = torch.cat([chosen, rest.nonzero().flatten()[: budget - chosen.numel()]])
     return chosen.sort().values

@@ -50,7 +50,7 @@ from ..prompt import RAGPrompt, sink_token_ids
 from . import PARAMS_KEY
 from .blend import PagedBlender
 from .layers import Unsupported, slot_mapping
-from .lookup import ChunkIndex, fingerprint_for, shared_store
+from .lookup import StoredChunkIndex, fingerprint_for, shared_store
 from .plugin import ARCHITECTURES
 
 if TYPE_CHECKING:
@@ -195,7 +195,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
         self._plans: dict[str, dict] = {}
         self._pending: dict[str, dict] = {}
         self._reports: dict[str, dict] = {}
-        self._index: ChunkIndex | None = None
+        self._index: StoredChunkIndex | None = None
         self._warned: set[str] = set()
         # worker state
         self._blender: PagedBlender | None = None
@@ -275,7 +275,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
 
     def _find(self, ids: list[int]) -> list[tuple[int, int, str]]:
         if self._index is None:
-            self._index = ChunkIndex(self.store, self.fingerprint, head=self.options.min_chunk_tokens)
+            self._index = StoredChunkIndex(self.store, self.fingerprint, head=self.options.min_chunk_tokens)
         self._index.refresh()
         return self._index.find(ids)
 

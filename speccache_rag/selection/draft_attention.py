@@ -1,0 +1,48 @@
+"""Draft question attention (SpecPC-style): the draft reads the whole prompt, its question rows score the chunks.
+
+The draft sees across chunks, as the target would in a full prefill. In its deeper layers (the same
+``qattn_layers`` span as the target's qattn), the rows after the last chunk — the question and the
+template suffix — attend over the prompt; their attention (float32, those rows only) scores every
+draft token. Then the paper's steps 2 and 3: spans, budget, character map to the target's tokens.
+This is ``speccache``; the paper's deep-layer norm scorer is ``norm`` (``speculative.py``).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..prompt import TokenizedPrompt
+from ..runner import full_prefill
+from .base import Selection
+from .question_attention import QuestionAttention, pool, scored_layers
+from .registry import position_selector
+from .speculative import select_by_draft_scores
+
+
+def draft_question_rows(draft_tokens: TokenizedPrompt) -> torch.Tensor:
+    """Draft positions after the last chunk (question and template suffix)."""
+    chunks = draft_tokens.chunk_segments()
+    if not chunks:
+        raise ValueError("draft question-attention selection needs a prompt with chunks")
+    return torch.arange(chunks[-1].end, len(draft_tokens))
+
+
+@torch.inference_mode()
+def draft_attention_scores(draft, draft_tokens: TokenizedPrompt, sel: Selection) -> torch.Tensor:
+    """Attention the question rows pay every draft position, in the scored layers, pooled → [Nd]."""
+    cfg = sel.config
+    rows = draft_question_rows(draft_tokens)
+    layers = scored_layers(draft.num_layers, cfg.qattn_layers)
+    probe = QuestionAttention(rows, rows, layers, draft.scaling, len(draft_tokens), cfg.qattn_heads)
+    full_prefill(draft, draft_tokens.ids, observe=probe)
+    return pool(probe.scores, cfg.qattn_pool)
+
+
+@position_selector("speccache")
+def draft_attention_select(sel: Selection, ops=None) -> torch.Tensor:
+    draft_tokens = sel.draft_tokens()
+    t = time.perf_counter()
+    scores = draft_attention_scores(sel.draft, draft_tokens, sel)
+    sel.timings["draft_forward_s"] = time.perf_counter() - t
+    return select_by_draft_scores(sel, draft_tokens, scores)
