@@ -54,8 +54,8 @@ def _err(*parts: object) -> None:
 def _check_common(args: argparse.Namespace) -> None:
     """Validate numbers before anything slow (model loading) happens."""
     ratio = getattr(args, "ratio", None)
-    if ratio is not None and not 0.0 <= ratio <= 1.0:
-        raise UsageError(f"--ratio must be within [0, 1], got {ratio:g}")
+    if ratio is not None and ratio != "auto" and not 0.0 <= ratio <= 1.0:
+        raise UsageError(f"--ratio must be within [0, 1] or 'auto', got {ratio:g}")
     if getattr(args, "max_new_tokens", 1) < 1:
         raise UsageError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if getattr(args, "threads", None) is not None and args.threads < 1:
@@ -279,10 +279,14 @@ def _add_store_arg(p: argparse.ArgumentParser, default: str | None, shown: str =
                    help=f"KV store: a directory, memory:// or redis://host:port/db (default: {shown})")
 
 
+def _ratio(text: str) -> float | str:
+    return "auto" if text == "auto" else float(text)
+
+
 def _add_answer_args(p: argparse.ArgumentParser, max_new_tokens: int, top_k_help: str,
                      ratio: float = _DEFAULTS.recompute_ratio) -> None:
-    p.add_argument("--ratio", type=float, default=ratio,
-                   help="share of reused chunk tokens that are recomputed (default: %(default)s)")
+    p.add_argument("--ratio", type=_ratio, default=ratio,
+                   help="share of reused chunk tokens that are recomputed, or 'auto' (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help=f"{top_k_help} (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N", help="(default: %(default)s)")
 

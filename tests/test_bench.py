@@ -84,7 +84,8 @@ def test_longbench_loader(tmp_path):
 def test_method_names():
     assert parse_method("speccache@0.15").reuse_config().recompute_ratio == 0.15
     assert parse_method("epic-k16").reuse_config().epic_k == 16
-    assert parse_method("static@0.1").reuse_config().method == "speccache"
+    assert parse_method("static@0.1").reuse_config().method == "norm"      # the norm family's spans and map
+    assert parse_method("norm@0.15").uses_draft and parse_method("norm@0.15").reuse_config().method == "norm"
     assert parse_method("deviation@0.2").uses_draft and not parse_method("cacheblend@0.2").uses_draft
     for bad in ("nope", "speccache@2", "epic-kx", "speccache"):
         with pytest.raises(ValueError):
@@ -203,3 +204,15 @@ def test_bench_ttft_suite_times_every_method_in_both_dtypes(tmp_path):
     assert meta["environment"]["dtype_auto"] in ("float32", "bfloat16")
     report = (out / "report.md").read_text()
     assert "× full float32 | × full bfloat16" in report and report.count("| qattn@0.15 |") == 2
+
+
+def test_sign_test_and_paired_counts():
+    from speccache_rag.bench.report import paired, sign_test_p
+
+    assert sign_test_p(10, 2) == pytest.approx(0.0386, abs=1e-4)       # 2 * P(X <= 2), X ~ Bin(12, 1/2)
+    assert sign_test_p(3, 3) == 1.0 and sign_test_p(0, 0) == 1.0
+    rows = [{"method": m, "example": e, "score": s, "kl": k}
+            for m, e, s, k in [("a", 1, 1.0, 0.1), ("a", 2, 0.0, 0.5), ("a", 3, 1.0, 0.2),
+                               ("b", 1, 0.0, 0.3), ("b", 2, 0.0, 0.4), ("b", 3, 1.0, 0.2), ("b", 4, 1.0, 0.0)]]
+    assert paired(rows, "a", "b", "score") == (1, 0, 3)               # example 4 is b's alone: not paired
+    assert paired(rows, "a", "b", "kl", lower_is_better=True) == (1, 1, 3)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, AsyncIterator, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Iterable, Iterator, Literal, Optional, Sequence, Union
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.documents import Document
@@ -83,8 +83,9 @@ class ChatSpecCache(BaseChatModel):
                        "natively, else float32), bfloat16 or float32.")
     method: str = Field(default=ReuseConfig().method,
                         description="Reuse method: qattn, speccache, cacheblend, epic, reuse, full …")
-    recompute_ratio: float = Field(default=0.15, ge=0.0, le=1.0,
-                                   description="Share of reused chunk tokens recomputed.")
+    recompute_ratio: Union[float, Literal["auto"]] = Field(
+        default=0.15,
+        description="Share of reused chunk tokens recomputed; 'auto': chosen per prompt (ReuseConfig.auto_range).")
     max_tokens: int = Field(default=64, gt=0, alias="max_new_tokens", description="Tokens to generate at most.")
     temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")

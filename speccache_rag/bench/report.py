@@ -154,48 +154,73 @@ def _agreement_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _paired(by: dict[str, list[dict]], a: str, b: str, key: str, lower_is_better: bool = False) -> tuple[int, int]:
-    """Prompts on which method a is better / worse than b by ``key`` (rows aligned by _by_method)."""
-    better = worse = 0
-    for ra, rb in zip(by.get(a, []), by.get(b, [])):
-        diff = (rb[key] - ra[key]) if lower_is_better else (ra[key] - rb[key])
-        better += diff > 0
-        worse += diff < 0
-    return better, worse
+def sign_test_p(wins: int, losses: int) -> float:
+    """Two-sided exact sign test: how likely a split at least this uneven is under a fair coin (ties dropped)."""
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(min(wins, losses) + 1)) / 2 ** n)
 
 
-def _goals(summary: dict, ttft: dict, by: dict[str, list[dict]]) -> list[str]:
-    sc, cb, ep, full = (summary.get(m) for m in ("speccache@0.15", "cacheblend@0.15", "epic-k16", "full"))
-    if not sc or not full:
+def paired(rows: list[dict], a: str, b: str, key: str, lower_is_better: bool = False) -> tuple[int, int, int]:
+    """(prompts where method a beats b by ``key``, where it loses, prompts both have)."""
+    per: dict[str, dict[str, float]] = defaultdict(dict)
+    for r in rows:
+        per[r["method"]][r["example"]] = r[key]
+    common = set(per.get(a, {})) & set(per.get(b, {}))
+    sign = -1 if lower_is_better else 1
+    diffs = [sign * (per[a][e] - per[b][e]) for e in common]
+    return sum(d > 0 for d in diffs), sum(d < 0 for d in diffs), len(common)
+
+
+BASELINES = ("cacheblend@0.15", "epic-k16", "norm@0.15", "full")
+
+
+def _paired_table(rows: list[dict], methods: list[str]) -> list[str]:
+    """Every method against each baseline, prompt by prompt: wins / losses on task score and on first-token KL,
+    with the sign test's p."""
+    baselines = [b for b in BASELINES if any(r["method"] == b for r in rows)]
+    lines = ["| method | " + " | ".join(f"vs {b}: score W/L (p) | KL W/L (p)" for b in baselines) + " |",
+             "|---|" + "---:|---:|" * len(baselines)]
+    for m in methods:
+        if m in ("full", "reuse") or not any(r["method"] == m for r in rows):
+            continue
+        cells = []
+        for b in baselines:
+            if b == m:
+                cells += ["–", "–"]
+                continue
+            (w, l, _), (wk, lk, _) = paired(rows, m, b, "score"), paired(rows, m, b, "kl", lower_is_better=True)
+            cells += [f"{w}/{l} ({sign_test_p(w, l):.3g})", f"{wk}/{lk} ({sign_test_p(wk, lk):.3g})"]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _goals(summary: dict, rows: list[dict]) -> list[str]:
+    """The quality issue's goals, for the default method (``ReuseConfig()``) and for speccache, at r = 0.15."""
+    from ..config import ReuseConfig
+
+    full, reuse = summary.get("full"), summary.get("reuse")
+    if not full or not reuse:
         return []
     out = []
-    if full["score"] > 0:
-        keep = sc["score"] / full["score"]
-        out.append(f"- speccache@0.15 keeps {_fmt(keep, pct=True)} of full's task score (goal ≥ 98 %): "
-                   f"{'met' if keep >= 0.98 else 'NOT met'}.")
-    else:
-        out.append("- full prefill scores 0 on these prompts: the task-score goal cannot be judged here; "
-                   "see the fidelity columns.")
-    for name, other in (("cacheblend@0.15", cb), ("epic-k16", ep)):
-        if other:
-            tasks = sorted(sc["per_task"])
-            wins = [t for t in tasks if sc["per_task"][t] > other["per_task"].get(t, float("nan"))]
-            ties = [t for t in tasks if sc["per_task"][t] == other["per_task"].get(t)]
-            s_up, s_down = _paired(by, "speccache@0.15", name, "score")
-            k_up, k_down = _paired(by, "speccache@0.15", name, "kl", lower_is_better=True)
-            out.append(f"- vs {name}: speccache better on {len(wins)}/{len(tasks)} tasks"
-                       f"{' (ties: ' + ', '.join(ties) + ')' if ties else ''}; KL {_fmt(sc['kl'], 4)} vs "
-                       f"{_fmt(other['kl'], 4)}, top-1 {_fmt(sc['top1'], 2)} vs {_fmt(other['top1'], 2)}. Paired by "
-                       f"prompt: higher task score on {s_up}, lower on {s_down}; lower KL on {k_up}, higher on {k_down}.")
-    if "speccache@0.15" in ttft:
-        sp = 1 / ttft["speccache@0.15"]["ratio"]
-        out.append(f"- speccache@0.15 TTFT speedup vs full: {sp:.2f}× (goal ≥ 3.5× on the 1.5B target): "
-                   f"{'met' if sp >= 3.5 else 'NOT met'} on this pair.")
-    rnd = summary.get("random@0.15")
-    if rnd:
-        out.append(f"- plain norm selection vs random at r = 0.15: speccache score {_fmt(sc['score'])} / KL "
-                   f"{_fmt(sc['kl'], 4)} / top-1 {_fmt(sc['top1'], 2)} vs random {_fmt(rnd['score'])} / "
-                   f"{_fmt(rnd['kl'], 4)} / {_fmt(rnd['top1'], 2)}.")
+    for m, kl_goal in ((f"{ReuseConfig().method}@0.15", 0.80), ("speccache@0.15", 0.70)):
+        s = summary.get(m)
+        if not s:
+            continue
+        closed = 1 - s["kl"] / reuse["kl"] if reuse["kl"] else None
+        norm = (s["score"] - reuse["score"]) / (full["score"] - reuse["score"]) if full["score"] != reuse["score"] else None
+        keep = s["score"] / full["score"] if full["score"] else None
+        out.append(f"- {m}: keeps {_fmt(keep, pct=True)} of full's task score, normalized score {_fmt(norm, 2)}, "
+                   f"closes {_fmt(closed, pct=True)} of reuse's KL gap (goal ≥ {kl_goal:.0%}).")
+        for b in ("cacheblend@0.15", "epic-k16"):
+            if b in summary:
+                tasks = sorted(s["per_task"])
+                better = [t for t in tasks if s["per_task"][t] > summary[b]["per_task"].get(t, float("nan"))]
+                w, l, n = paired(rows, m, b, "score")
+                out.append(f"  - vs {b}: better on {len(better)}/{len(tasks)} tasks ({', '.join(better) or 'none'}); "
+                           f"mean {_fmt(s['score'])} vs {_fmt(summary[b]['score'])}; paired over {n} prompts "
+                           f"{w} wins / {l} losses, sign test p = {sign_test_p(w, l):.3g}.")
     return out
 
 
@@ -271,14 +296,26 @@ def _command_lines(meta: dict) -> list[str]:
     return [f"- measured in {len(parts)} parts:"] + [f"  - {p['date']}: `{p['command']}`" for p in parts]
 
 
+def _methods(suite_methods: list[str], rows: list[dict]) -> list[str]:
+    """The suite's methods, then any other method at r = 0.15 that a later ``--methods`` run added on every
+    prompt full has (the sweep's r = 0.15 extras, on a few prompts, stay in the sweep table)."""
+    examples: dict[str, set] = defaultdict(set)
+    for r in rows:
+        examples[r["method"]].add(r["example"])
+    extra = sorted(m for m in examples if m not in suite_methods and m.endswith("@0.15")
+                   and examples[m] >= examples.get("full", set()))
+    return list(suite_methods) + extra
+
+
 def _target_table(rows: list[dict], target: str, drafts: list[str], suite: dict) -> list[str]:
     """One table for a target scored by several drafts: draft-independent methods once, then each
     draft method per draft, on the prompts they all have, with TTFT ratios from the same rounds."""
     def label(r: dict) -> str:
         return r["method"] if r.get("draft") is None else f"{r['method']} ← {r['draft']}"
 
-    methods = [m for m in suite["methods"] if not parse_method(m).uses_draft]
-    methods += [f"{m} ← {d}" for m in suite["methods"] if parse_method(m).uses_draft for d in drafts]
+    present = _methods(suite["methods"], [r for r in rows if r["kind"] == "quality" and r["target"] == target])
+    methods = [m for m in present if not parse_method(m).uses_draft]
+    methods += [f"{m} ← {d}" for m in present if parse_method(m).uses_draft for d in drafts]
     relabel = lambda kind: [{**r, "method": label(r)} for r in rows if r["kind"] == kind and r["target"] == target
                             and r.get("draft") in (*drafts, None)]
     summary, n = summarize(relabel("quality"), methods)
@@ -334,7 +371,7 @@ def write_report(out: str | Path) -> Path:
         pair = [target, draft]
         slug = _slug(suite["name"], target, draft)
         q = _pair_rows(rows, "quality", *pair)
-        summary, n = summarize(q, suite["methods"])
+        summary, n = summarize(q, _methods(suite["methods"], q))
         sweep, n_sweep = summarize(q, suite["sweep_methods"]) if suite["sweep_methods"] else ({}, 0)
         ttft = ttft_summary(_pair_rows(rows, "ttft", *pair))
         agree = [r for r in rows if r["kind"] == "agreement" and r["target"] == target and r["draft"] == draft]
@@ -343,8 +380,9 @@ def write_report(out: str | Path) -> Path:
             lines += ["(no results yet)", ""]
             continue
         if summary:
-            lines += [f"### Every method ({n} prompts)", ""] + _headline_table(summary, ttft, suite["methods"]) + [""]
-            lines += ["Task score per task:", ""] + _task_table(summary, suite["methods"]) + [""]
+            methods = _methods(suite["methods"], q)
+            lines += [f"### Every method ({n} prompts)", ""] + _headline_table(summary, ttft, methods) + [""]
+            lines += ["Task score per task:", ""] + _task_table(summary, methods) + [""]
         if ttft:
             lines += ["### Time to first token (seconds on this machine; compare ratios)", ""]
             lines += _ttft_table(ttft, suite["ttft_methods"]) + [""]
@@ -353,9 +391,12 @@ def write_report(out: str | Path) -> Path:
             lines += [""]
         if agree:
             lines += [f"### Agreement analysis ({len(agree)} prompts)", ""] + _agreement_lines(agree) + [""]
-        goals = _goals(summary, ttft, _by_method(q, suite["methods"])[0])
+        methods = _methods(suite["methods"], q)
+        if summary:
+            lines += ["### Paired by prompt (sign test)", ""] + _paired_table(q, methods) + [""]
+        goals = _goals(summary, q)
         if goals:
-            lines += ["### Against the goals of issue 5", ""] + goals + [""]
+            lines += ["### Against the goals of the quality issue (r = 0.15)", ""] + goals + [""]
         for f in _plots(out, slug, summary, sweep, ttft):
             lines += [f"![{f}]({f})", ""]
     path = out / REPORT

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, AsyncIterator, Dict, List, Optional, Sequence
+from typing import Any, AsyncIterator, Dict, List, Literal, Optional, Sequence, Union
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -81,8 +81,9 @@ class SpecCacheLLM(LLM):
     max_new_tokens: int = Field(default=64, gt=0, description="Tokens to generate at most.")
     method: str = Field(default=ReuseConfig().method,
                         description="Reuse method: qattn, speccache, cacheblend, epic, reuse, full …")
-    recompute_ratio: float = Field(default=0.15, ge=0.0, le=1.0,
-                                   description="Share of reused chunk tokens recomputed.")
+    recompute_ratio: Union[float, Literal["auto"]] = Field(
+        default=0.15,
+        description="Share of reused chunk tokens recomputed; 'auto': chosen per prompt (ReuseConfig.auto_range).")
     temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
     stop: Optional[List[str]] = Field(default=None, description="Stop strings.")
