@@ -85,7 +85,7 @@ class SpecCacheEngine(StreamingEngine):
         return keys
 
     def chunk_kv(self, token_ids: list[int], key: str, text: str) -> ChunkKV:
-        """The chunk prefilled alone (after the sink token, whose entry is dropped), keys before RoPE."""
+        """The chunk prefilled alone (after the sink tokens, whose entries are dropped), keys before RoPE."""
         return self.blender.chunk_kv(token_ids, key, text)
 
     # ---- query ----------------------------------------------------------------------------------

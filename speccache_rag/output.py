@@ -25,7 +25,7 @@ class GenerationStats:
     recompute_s: float = 0.0        # target prefill of the recomputed tokens
     first_decode_s: float = 0.0     # logits → first token
     stored_chunks: int = 0          # missed chunks computed alone and stored for the next prompt
-    fill_s: float = 0.0             # of which the time
+    fill_s: float = 0.0             # time spent computing and storing them
 
     def to_dict(self) -> dict:
         return asdict(self)

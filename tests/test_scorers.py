@@ -90,6 +90,8 @@ def test_auto_ratio_validation():
         ReuseConfig(recompute_ratio="auto", auto_range=(0.3, 0.1))
     with pytest.raises(ValueError, match="needs a scoring method"):
         ReuseConfig(method="epic", recompute_ratio="auto")
+    with pytest.raises(ValueError, match="needs a scoring method"):
+        ReuseConfig(method="norm", recompute_ratio="auto")
 
 
 def test_adaptive_budget_covers_the_score_mass_within_its_bounds():
@@ -107,7 +109,7 @@ def test_adaptive_budget_covers_the_score_mass_within_its_bounds():
     assert adaptive_budget(flat, fixed) == budget_for(0.15, n)
 
 
-@pytest.mark.parametrize("method", ["qattn", "speccache", "norm", "cacheblend"])
+@pytest.mark.parametrize("method", ["qattn", "speccache", "cacheblend"])
 def test_auto_ratio_recomputes_within_its_bounds(smollm2, method):
     model, tok = smollm2
     engine = SpecCacheEngine(model, tok, store="memory://")

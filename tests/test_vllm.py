@@ -89,6 +89,8 @@ def test_connector_options_are_validated():
         Options.from_extra({"stor": "x"})
     with pytest.raises(ValueError, match="unknown method 'magic'"):
         Options.from_extra({"method": "magic"})
+    assert Options.from_extra({"method": "qattn", "recompute_ratio": "auto"}).reuse_config(
+        "qattn", "auto", {}).recompute_ratio == "auto"
     with pytest.raises(ValueError, match="recompute_ratio"):
         Options.from_extra({"recompute_ratio": 2})
     with pytest.raises(ValueError, match="max_blends_per_step"):
@@ -313,6 +315,18 @@ def test_ratio_015_recomputes_a_fraction_with_every_chunk_a_store_hit(engine, kv
     _, torch_engine = kv_dir
     ref = torch_engine.generate(prompt, max_new_tokens=1, reuse=reuse)
     assert ref.stats.recomputed_tokens == s.recomputed_tokens
+
+
+@needs_vllm
+def test_auto_ratio_through_the_connector_stays_within_its_bounds(engine, prompt):
+    from speccache_rag.selection import budget_for
+
+    tokens = render(prompt, engine.tokenizer)
+    reusable = sum(s.end - s.start for s in tokens.chunk_segments())
+    out = engine.generate(prompt, max_new_tokens=2, reuse=ReuseConfig(method="qattn", recompute_ratio="auto",
+                                                                       auto_range=(0.1, 0.2)))
+    chosen = out.stats.recomputed_tokens - (len(tokens) - reusable)
+    assert out.stats.cache_hits == len(CHUNKS) and budget_for(0.1, reusable) <= chosen <= budget_for(0.2, reusable)
 
 
 @needs_vllm

@@ -82,7 +82,7 @@ class ChatSpecCache(BaseChatModel):
     dtype: str = Field(default="auto", description="Compute dtype: auto (bfloat16 where the hardware computes it "
                        "natively, else float32), bfloat16 or float32.")
     method: str = Field(default=ReuseConfig().method,
-                        description="Reuse method: qattn, speccache, cacheblend, epic, reuse, full …")
+                        description="Reuse method: qattn, speccache, norm, cacheblend, epic, reuse, full …")
     recompute_ratio: Union[float, Literal["auto"]] = Field(
         default=0.15,
         description="Share of reused chunk tokens recomputed; 'auto': chosen per prompt (ReuseConfig.auto_range).")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ReuseConfig
+from ..config import AUTO_METHODS, ReuseConfig
 from ..engine import SpecCacheEngine
 from ..layers import HFLayers
 from ..prompt import RAGPrompt, TokenizedPrompt, sink_token_ids, tokenize_piece
@@ -39,7 +39,7 @@ EXPERIMENTS = ("static", "deviation")
 class MethodSpec:
     name: str
     family: str                 # full, reuse, or one of FAMILIES
-    ratio: float | None         # nominal recompute ratio (None: full, reuse, epic-kK)
+    ratio: float | str | None   # nominal recompute ratio (None: full, reuse, epic-kK; "auto")
     epic_k: int | None = None
 
     @property
@@ -68,6 +68,8 @@ def parse_method(name: str) -> MethodSpec:
             pass
     if "@" in name:
         family, _, r = name.partition("@")
+        if family in AUTO_METHODS and r == "auto":
+            return MethodSpec(name, family, "auto")
         if family in FAMILIES:
             try:
                 ratio = float(r)
@@ -76,7 +78,7 @@ def parse_method(name: str) -> MethodSpec:
             if 0.0 <= ratio <= 1.0:
                 return MethodSpec(name, family, ratio)
     raise ValueError(f"unknown bench method {name!r}; use full, reuse, epic-kK, or FAMILY@R with FAMILY in "
-                     f"{', '.join(FAMILIES)} and R in [0, 1]")
+                     f"{', '.join(FAMILIES)} and R in [0, 1] (or R = auto for {', '.join(AUTO_METHODS)})")
 
 
 def deep_layers(ops, fraction: float) -> range:

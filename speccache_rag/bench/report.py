@@ -296,15 +296,18 @@ def _command_lines(meta: dict) -> list[str]:
     return [f"- measured in {len(parts)} parts:"] + [f"  - {p['date']}: `{p['command']}`" for p in parts]
 
 
+ORDER = ("full", "reuse", "epic-k16", "cacheblend@0.15", "random@0.15", "qattn@0.15", "speccache@0.15", "norm@0.15")
+
+
 def _methods(suite_methods: list[str], rows: list[dict]) -> list[str]:
-    """The suite's methods, then any other method at r = 0.15 that a later ``--methods`` run added on every
-    prompt full has (the sweep's r = 0.15 extras, on a few prompts, stay in the sweep table)."""
+    """The methods to tabulate: the suite's, and any other that a run of this directory (``--methods``, resumed
+    in parts) gave every prompt full has; sweep-only methods (a few prompts) stay in the sweep table."""
     examples: dict[str, set] = defaultdict(set)
     for r in rows:
         examples[r["method"]].add(r["example"])
-    extra = sorted(m for m in examples if m not in suite_methods and m.endswith("@0.15")
-                   and examples[m] >= examples.get("full", set()))
-    return list(suite_methods) + extra
+    full = examples.get("full", set())
+    present = [m for m in examples if m in suite_methods or (full and examples[m] >= full)]
+    return sorted(present, key=lambda m: (ORDER.index(m) if m in ORDER else len(ORDER), m))
 
 
 def _target_table(rows: list[dict], target: str, drafts: list[str], suite: dict) -> list[str]:
@@ -361,13 +364,16 @@ def write_report(out: str | Path) -> Path:
              "- task score: RULER string match (share of the reference values in the answer) for the synthetic "
              "tasks; word F1 (QA) or ROUGE-L (summaries) for LongBench files. Fidelity: first-token KL(full ‖ "
              "method), top-1 agreement, ROUGE-L of the greedy continuation against full's.", ""]
+    # every (target, draft) the results hold: a directory resumed with other --pairs keeps the earlier ones
+    pairs = list(dict.fromkeys([tuple(p) for p in suite["pairs"]]
+                               + [(r["target"], r["draft"]) for r in rows if r.get("draft")]))
     drafts_of: dict[str, list[str]] = defaultdict(list)
-    for target, draft in suite["pairs"]:
+    for target, draft in pairs:
         drafts_of[target].append(draft)
     for target, drafts in drafts_of.items():
         if len(drafts) > 1:
             lines += _target_table(rows, target, drafts, suite)
-    for target, draft in suite["pairs"]:
+    for target, draft in pairs:
         pair = [target, draft]
         slug = _slug(suite["name"], target, draft)
         q = _pair_rows(rows, "quality", *pair)

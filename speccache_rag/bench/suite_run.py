@@ -92,7 +92,8 @@ def _recompute_frac(tokens, stats) -> float:
 
 
 def _base(kind: str, suite: Suite, target: str, draft: str | None, ex: Example, spec: MethodSpec | None) -> dict:
-    row = {"kind": kind, "suite": suite.name, "target": target, "draft": draft, "example": ex.id, "task": ex.task}
+    row = {"kind": kind, "suite": suite.name, "target": target, "draft": draft, "example": ex.id, "task": ex.task,
+           "sink": suite.sink}
     if spec is not None:
         row.update(method=spec.name, family=spec.family, ratio=spec.ratio, epic_k=spec.epic_k)
     return row
@@ -231,11 +232,12 @@ STAGES = ("quality", "ttft")
 # What makes prompt i, its answers and its timings what they are: a resumed run must not change these,
 # or its rows would sit beside rows of other prompts under the same example id.
 SAME_ON_RESUME = ("n_chunks", "chunk_tokens", "seed", "max_new_tokens", "stop", "ttft_n_chunks", "ttft_chunk_tokens",
-                  "ttft_reps", "ttft_warmup")
+                  "ttft_reps", "ttft_warmup", "sink")
+_BEFORE_DEFAULTS = {"sink": "bos"}          # results written before the field existed
 
 
 def _check_same_prompts(before: dict, now: dict, longbench_before: str | None, longbench_now: str | None) -> None:
-    changed = [k for k in SAME_ON_RESUME if json.loads(json.dumps(now.get(k))) != before.get(k)]
+    changed = [k for k in SAME_ON_RESUME if json.loads(json.dumps(now.get(k))) != before.get(k, _BEFORE_DEFAULTS.get(k))]
     if longbench_before != longbench_now:
         changed.append("longbench")
     if changed:

@@ -12,12 +12,14 @@ SWEEP = (["full", "reuse", "epic-k8", "epic-k16", "epic-k32"]
          + [f"cacheblend@{r:.2f}" for r in RATIOS] + [f"speccache@{r:.2f}" for r in RATIOS]
          + ["epic@0.15", "random@0.15", "oracle@0.15", "static@0.15", "deviation@0.15"])
 # Every method at r = 0.15 (what the headline table compares).
-AT_015 = ["full", "reuse", "epic@0.15", "epic-k16", "cacheblend@0.15", "speccache@0.15", "static@0.15",
+AT_015 = ["full", "reuse", "epic@0.15", "epic-k16", "cacheblend@0.15", "qattn@0.15", "speccache@0.15", "norm@0.15",
+          "static@0.15",
           "deviation@0.15", "random@0.15", "oracle@0.15"]
 # What the paper suite runs on every prompt: the methods its goals compare.
-PAPER_ALL = ["full", "reuse", "epic-k16", "cacheblend@0.15", "speccache@0.15"]
+PAPER_ALL = ["full", "reuse", "epic-k16", "cacheblend@0.15", "qattn@0.15", "speccache@0.15", "norm@0.15"]
 # Timed methods (oracle needs a full target prefill by construction: an analysis bound, not timed).
-TTFT_015 = ["full", "reuse", "epic@0.15", "cacheblend@0.15", "speccache@0.15", "static@0.15", "deviation@0.15",
+TTFT_015 = ["full", "reuse", "epic@0.15", "cacheblend@0.15", "qattn@0.15", "speccache@0.15", "norm@0.15",
+            "static@0.15", "deviation@0.15",
             "random@0.15"]
 
 
@@ -92,7 +94,7 @@ SUITES: dict[str, Suite] = {
         name="paper",
         description="Qwen2.5-Coder-1.5B target with a same-family draft (Qwen2.5-Coder-0.5B) and a cross-family, "
                     "cross-tokenizer draft (SmolLM2-135M), both drafts on every prompt against one full-prefill "
-                    "reference: the goal methods (full, reuse, epic-k16, cacheblend@0.15, speccache@0.15) on 30 "
+                    "reference: the goal methods (full, reuse, epic-k16, cacheblend@0.15, qattn, speccache, norm at 0.15) on 30 "
                     "prompts per task of 4 chunks × 128 target tokens (~570 tokens); every other method and the "
                     "r-sweep on the first 3 prompts (one per task); TTFT interleaved on 1 prompt of 8 chunks × 256 "
                     "tokens (~2.1 k tokens). Sized by measurement on a 2-core CPU (see docs/benchmarks.md); "
@@ -110,7 +112,8 @@ SUITES: dict[str, Suite] = {
                     "fit). At ~2.2 k tokens one 1.5B full prefill + 10 methods takes ~2.5 min in float32 on 2 CPU "
                     "cores, so the 1.5B part alone is ~4 h here: run it in parts (--shard, --resume).",
         pairs=[(QWEN15, SMOL), (QWEN15, QWEN05), (QWEN05, SMOL)], n_per_task=30, n_chunks=8, chunk_tokens=256,
-        methods=["full", "reuse", "epic-k16", "cacheblend@0.15", "random@0.15", "speccache@0.15", "deviation@0.15",
+        methods=["full", "reuse", "epic-k16", "cacheblend@0.15", "random@0.15", "speccache@0.15", "norm@0.15",
+                 "deviation@0.15",
                  "qattn@0.15"],
         sweep_methods=[f"{m}@{r:.2f}" for m in ("qattn", "speccache") for r in (0.05, 0.10, 0.25)], sweep_examples=6,
         ttft_methods=[], ttft_examples=0, max_new_tokens=24, stop=("\n",), agreement=False),

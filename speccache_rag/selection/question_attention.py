@@ -73,8 +73,12 @@ def question_probe(ops, sel: Selection, recomputed: torch.Tensor) -> QuestionAtt
 def second_pass(probe: QuestionAttention, sel: Selection, recomputed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """After the first pass → (chosen positions, positions to recompute again). Recomputed tokens before the
     first chosen one read nothing stale: their first pass is final."""
-    scores, candidates = qattn_scores(probe, sel), sel.reusable_positions
-    chosen = top_positions(scores, candidates, min(sel.budget, adaptive_budget(scores[candidates], sel.config)))
+    cfg, candidates = sel.config, sel.reusable_positions
+    budget = sel.budget
+    if cfg.recompute_ratio == "auto":      # sized by the attention mass; the forced chunk sinks come on top
+        sinks = sum(min(cfg.qattn_sink, s.end - s.start) for s in sel.tokens.chunk_segments() if sel.reusable[s.start])
+        budget = min(budget, adaptive_budget(pool(probe.scores, cfg.qattn_pool)[candidates], cfg) + sinks)
+    chosen = top_positions(qattn_scores(probe, sel), candidates, budget)
     return chosen, torch.cat([chosen, recomputed[recomputed > chosen[0]]]).unique()
 
 

@@ -47,7 +47,8 @@ class PagedBlender:
     @torch.inference_mode()
     def blend(self, token_ids: list[int], spans: list, reuse: ReuseConfig, slots: torch.Tensor,
               prompt: RAGPrompt | None = None, precompute: bool = False) -> GenerationStats:
-        """Fill the paged cache for prompt positions [0, len(slots)) (vLLM computes the rest itself).
+        """Blend every prompt position, then write positions [0, len(slots)) into the paged cache (vLLM
+        computes the last prompt token again itself, attending to them).
 
         spans: [start, end] per chunk, or [start, end, key] when the scheduler found it in the store
         (then [start, end) may be a prefix of that entry's tokens). precompute: the request is

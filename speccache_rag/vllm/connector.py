@@ -92,7 +92,7 @@ class Options:
     store: str = "./.speccache/kv"
     draft: str | None = None             # None: the target scores itself (HF copy of the same weights)
     method: str = ReuseConfig.method
-    recompute_ratio: float = 0.15
+    recompute_ratio: float | str = 0.15      # or "auto"
     reuse: dict = field(default_factory=dict)
     sink: str = "bos"
     fill_misses: bool = True             # store the KV of hinted chunks that missed, for the next request
@@ -116,10 +116,11 @@ class Options:
             opts.reuse_config(opts.method, opts.recompute_ratio, {})       # validates
         return opts
 
-    def reuse_config(self, method: str, ratio: float, overrides: dict) -> ReuseConfig:
+    def reuse_config(self, method: str, ratio: float | str, overrides: dict) -> ReuseConfig:
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-        fields = {**self.reuse, **(overrides or {}), "method": method, "recompute_ratio": float(ratio)}
+        ratio = ratio if ratio == "auto" else float(ratio)
+        fields = {**self.reuse, **(overrides or {}), "method": method, "recompute_ratio": ratio}
         return ReuseConfig(**fields)
 
 

@@ -55,7 +55,7 @@ class VllmSpecCacheEngine(StreamingEngine):
 
     def __init__(self, target: str, draft: str | None = None, store: KVStore | str = "./.speccache/kv",
                  dtype: torch.dtype | str = "auto", sink: str = "bos", fill_misses: bool = True,
-                 method: str = ReuseConfig.method, recompute_ratio: float = 0.15, max_model_len: int | None = None,
+                 method: str = ReuseConfig.method, recompute_ratio: float | str = 0.15, max_model_len: int | None = None,
                  kv_cache_gib: int | None = None, enforce_eager: bool = True, name: str | None = None,
                  connector_options: dict | None = None, **engine_kwargs):
         require_vllm()

@@ -1,8 +1,8 @@
 """LayerOps over vLLM's llama / qwen2 modules, and the copy of a dense cache into vLLM's paged one.
 
 The runner (:mod:`speccache_rag.runner`) drives these exactly as it drives HF's: fused QKV, vLLM's
-rotary embedding (which rotates in place, so the pre-RoPE keys are copied first), fused gate/up
-MLP. The blended cache is written into vLLM's paged blocks through the attention backend's own
+rotary embedding (which rotates in place, so what it is given is always a copy: of the fresh keys,
+whose pre-RoPE form the cache keeps, and of stored keys), fused gate/up MLP. The blended cache is written into vLLM's paged blocks through the attention backend's own
 ``do_kv_cache_update``: the CPU paged layout is ISA-specific and is never indexed directly.
 """
 from __future__ import annotations
@@ -85,7 +85,7 @@ class VllmLayers:
         layers, heads, s, d = k_pre.shape
         out = torch.empty_like(k_pre)
         for i in range(layers):
-            flat = k_pre[i].transpose(0, 1).reshape(s, heads * d).contiguous()
+            flat = k_pre[i].transpose(0, 1).reshape(s, heads * d).clone()   # rotated in place: never the stored entry
             rotated, _ = self.blocks[i].self_attn.rotary_emb(positions, flat, None)
             out[i] = rotated.view(s, heads, d).transpose(0, 1)
         return out

@@ -80,7 +80,7 @@ class SpecCacheLLM(LLM):
                        "natively, else float32), bfloat16 or float32.")
     max_new_tokens: int = Field(default=64, gt=0, description="Tokens to generate at most.")
     method: str = Field(default=ReuseConfig().method,
-                        description="Reuse method: qattn, speccache, cacheblend, epic, reuse, full …")
+                        description="Reuse method: qattn, speccache, norm, cacheblend, epic, reuse, full …")
     recompute_ratio: Union[float, Literal["auto"]] = Field(
         default=0.15,
         description="Share of reused chunk tokens recomputed; 'auto': chosen per prompt (ReuseConfig.auto_range).")

@@ -29,7 +29,7 @@ class RetrievalHints:
 
     def __init__(self) -> None:
         self._recent = RecentRetrievals(RECENT_RETRIEVALS)
-        _forwarder().targets.add(self)
+        _forwarder().attach(self)
 
     def add(self, texts: List[str]) -> None:
         self._recent.add(texts)
@@ -52,14 +52,18 @@ class _Forwarder(BaseEventHandler):
     def class_name(cls) -> str:
         return "SpecCacheRetrievalHints"
 
-    @property
-    def targets(self) -> "weakref.WeakSet[RetrievalHints]":
-        return self._targets
+    _lock: Any = PrivateAttr(default_factory=threading.Lock)
+
+    def attach(self, hints: RetrievalHints) -> None:
+        with self._lock:
+            self._targets.add(hints)
 
     def handle(self, event: BaseEvent, **kwargs: Any) -> None:
         if isinstance(event, RetrievalEndEvent):
             texts = [n.node.get_content(metadata_mode=MetadataMode.LLM) for n in event.nodes]
-            for hints in list(self._targets):
+            with self._lock:                        # an LLM built on another thread may be attaching
+                targets = list(self._targets)
+            for hints in targets:
                 hints.add(texts)
 
 
