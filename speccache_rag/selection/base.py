@@ -1,3 +1,4 @@
+"""What every selector sees (`Selection`), how budgets are sized (fixed or "auto"), and the shared scoring helpers."""
 from __future__ import annotations
 
 import math
