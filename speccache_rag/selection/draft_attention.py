@@ -15,17 +15,14 @@ import torch
 from ..prompt import TokenizedPrompt
 from ..runner import full_prefill
 from .base import Selection
-from .question_attention import QuestionAttention, pool, scored_layers
+from .question_attention import QuestionAttention, pool, question_start, scored_layers
 from .registry import position_selector
 from .speculative import select_by_draft_scores
 
 
 def draft_question_rows(draft_tokens: TokenizedPrompt) -> torch.Tensor:
-    """Draft positions after the last chunk (question and template suffix)."""
-    chunks = draft_tokens.chunk_segments()
-    if not chunks:
-        raise ValueError("draft question-attention selection needs a prompt with chunks")
-    return torch.arange(chunks[-1].end, len(draft_tokens))
+    """Draft positions after the last chunk (question and template suffix): the target's rule, on the draft's tokens."""
+    return torch.arange(question_start(draft_tokens), len(draft_tokens))
 
 
 @torch.inference_mode()

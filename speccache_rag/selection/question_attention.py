@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..prompt import TokenizedPrompt
 from ..runner import KVCache, prefill
 from .base import Selection, adaptive_budget, top_positions
 from .registry import blend_selector
@@ -82,12 +83,17 @@ def second_pass(probe: QuestionAttention, sel: Selection, recomputed: torch.Tens
     return chosen, torch.cat([chosen, recomputed[recomputed > chosen[0]]]).unique()
 
 
-def question_rows(sel: Selection, always: torch.Tensor) -> torch.Tensor:
-    """Of the always-recomputed positions, the indices of those after the last chunk (question, suffix)."""
-    chunks = sel.tokens.chunk_segments()
+def question_start(tokens: TokenizedPrompt) -> int:
+    """Where the question rows begin: the first position after the last chunk (question, template suffix)."""
+    chunks = tokens.chunk_segments()
     if not chunks:
         raise ValueError("question-attention selection needs a prompt with chunks")
-    return (always >= chunks[-1].end).nonzero().flatten()
+    return chunks[-1].end
+
+
+def question_rows(sel: Selection, always: torch.Tensor) -> torch.Tensor:
+    """Of the always-recomputed positions, the indices of those after the last chunk (question, suffix)."""
+    return (always >= question_start(sel.tokens)).nonzero().flatten()
 
 
 @blend_selector("qattn")
