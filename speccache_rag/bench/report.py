@@ -377,7 +377,8 @@ def write_report(out: str | Path) -> Path:
         pair = [target, draft]
         slug = _slug(suite["name"], target, draft)
         q = _pair_rows(rows, "quality", *pair)
-        summary, n = summarize(q, _methods(suite["methods"], q))
+        methods = _methods(suite["methods"], q)
+        summary, n = summarize(q, methods)
         sweep, n_sweep = summarize(q, suite["sweep_methods"]) if suite["sweep_methods"] else ({}, 0)
         ttft = ttft_summary(_pair_rows(rows, "ttft", *pair))
         agree = [r for r in rows if r["kind"] == "agreement" and r["target"] == target and r["draft"] == draft]
@@ -386,7 +387,6 @@ def write_report(out: str | Path) -> Path:
             lines += ["(no results yet)", ""]
             continue
         if summary:
-            methods = _methods(suite["methods"], q)
             lines += [f"### Every method ({n} prompts)", ""] + _headline_table(summary, ttft, methods) + [""]
             lines += ["Task score per task:", ""] + _task_table(summary, methods) + [""]
         if ttft:
@@ -397,7 +397,6 @@ def write_report(out: str | Path) -> Path:
             lines += [""]
         if agree:
             lines += [f"### Agreement analysis ({len(agree)} prompts)", ""] + _agreement_lines(agree) + [""]
-        methods = _methods(suite["methods"], q)
         if summary:
             lines += ["### Paired by prompt (sign test)", ""] + _paired_table(q, methods) + [""]
         goals = _goals(summary, q)
