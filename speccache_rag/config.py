@@ -72,6 +72,48 @@ class ReuseConfig:
             raise ValueError("need tau_smooth >= 0, tau_cover in [0, 1], max_span >= 1")
 
 
+OFFLOAD_BITS = (1, 2, 4, 8)
+PREFETCH_MODES = ("sync", "async")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """SpeCache offloaded decoding (docs/offload.md): the full KV in the host tier, a KIVI low-bit copy
+    resident, and each step the top-``topk`` rows per KV head (chosen by the speculative token's attention)
+    fetched back at full precision."""
+
+    bits: int = 2                       # resident codes per value (1 = SpeCache's 1-bit variant)
+    topk: int = 64                      # rows fetched per KV head and layer each step
+    group: int = 64                     # quantization group: tokens per key group, channels per value group
+    residual: int = 64                  # newest tokens kept at full precision (a multiple of ``group``)
+    speculative: bool = True            # False: fetch by the current token's own attention (the ablation)
+    prefetch: str = "sync"              # "async": fetches overlap the next step (a worker thread on CPU)
+    oracle: bool = False                # also measure hits against full-precision top-k (reads the host tier)
+
+    def __post_init__(self):
+        if self.bits not in OFFLOAD_BITS:
+            raise ValueError(f"bits must be one of {OFFLOAD_BITS}, got {self.bits!r}")
+        if self.topk < 0 or self.group < 1:
+            raise ValueError(f"need topk >= 0 and group >= 1, got topk={self.topk}, group={self.group}")
+        if self.residual < self.group or self.residual % self.group:
+            raise ValueError(f"residual must be a positive multiple of group={self.group}, got {self.residual}")
+        if self.prefetch not in PREFETCH_MODES:
+            raise ValueError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}, got {self.prefetch!r}")
+
+    @classmethod
+    def parse(cls, text: "str | OffloadConfig | None") -> "OffloadConfig | None":
+        """``"2bit"``, ``"1bit"`` (SpeCache defaults otherwise), an OffloadConfig, or None / "off"."""
+        if text is None or isinstance(text, OffloadConfig):
+            return text
+        text = text.strip().lower()
+        if text in ("", "off", "none"):
+            return None
+        bits = text.removesuffix("bit").removesuffix("-")
+        if not bits.isdigit():
+            raise ValueError(f"offload must look like '2bit' or '1bit', got {text!r}")
+        return cls(bits=int(bits))
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     max_new_tokens: int = 64

@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 
 import torch
 
-from .config import SINK_POLICIES, GenerationConfig, ReuseConfig
+from .config import SINK_POLICIES, GenerationConfig, OffloadConfig, ReuseConfig
 from .hardware import configure_threads, dtype_name, resolve_dtype
 from .blend import Blender
 from .kv import ChunkKV, chunk_key, model_fingerprint
 from .layers import HFLayers
+from .offload import OffloadDecoder
 from .output import GenerationOutput, GenerationStats, GenerationStream, StreamingEngine
 from .prompt import RAGPrompt, TokenizedPrompt, render, sink_token_ids, tokenize_piece
 from .runner import KVCache, decode_one
@@ -96,16 +98,19 @@ class SpecCacheEngine(StreamingEngine):
 
     def stream(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                temperature: float = 0.0, top_p: float = 1.0, stop: Iterable[str] | str | None = None,
-               seed: int | None = None, return_first_logits: bool = False) -> "GenerationStream":
+               seed: int | None = None, return_first_logits: bool = False,
+               offload: OffloadConfig | str | None = None) -> "GenerationStream":
         """An iterator of text pieces as they are generated; its ``.output`` holds the result once it is done.
 
         Everything about the request lives in the iterator, so one engine serves many threads and
         interleaved streams. Chunks that missed the store are stored when the generation ends, also when
-        the caller abandons the stream, so the next request finds them."""
+        the caller abandons the stream, so the next request finds them. ``offload`` ("2bit", "1bit" or an
+        :class:`OffloadConfig`) decodes over SpeCache's two-tier KV after the (blended) prefill."""
         start = time.perf_counter()
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         gen = GenerationConfig(max_new_tokens, temperature, top_p, stop, seed)
         reuse = reuse or ReuseConfig()
+        offload = OffloadConfig.parse(offload)
         if not isinstance(prompt, RAGPrompt):
             raise TypeError(f"prompt must be a RAGPrompt, got {type(prompt).__name__}")
         tokens = render(prompt, self.tokenizer)
@@ -113,11 +118,12 @@ class SpecCacheEngine(StreamingEngine):
             raise ValueError(f"prompt of {len(tokens)} tokens + max_new_tokens={gen.max_new_tokens} exceeds the "
                              f"context window of {self.context_window} tokens; retrieve fewer or shorter chunks")
         stream = GenerationStream()
-        stream._pieces = self._run(stream, prompt, tokens, gen, reuse, return_first_logits, start)
+        stream._pieces = self._run(stream, prompt, tokens, gen, reuse, return_first_logits, start, offload)
         return stream
 
     def _run(self, stream: "GenerationStream", prompt: RAGPrompt, tokens: TokenizedPrompt, gen: GenerationConfig,
-             reuse: ReuseConfig, return_first_logits: bool, start: float) -> Iterator[str]:
+             reuse: ReuseConfig, return_first_logits: bool, start: float,
+             offload: OffloadConfig | None) -> Iterator[str]:
         stats = GenerationStats(method=reuse.method, prompt_tokens=len(tokens), dtype=self.dtype)
         cache = KVCache.empty(self.ops, len(tokens) + gen.max_new_tokens)
         blended = self.blender.blend(tokens, cache, reuse, stats, prompt=prompt)
@@ -128,14 +134,21 @@ class SpecCacheEngine(StreamingEngine):
         next_id = sample(first_logits, gen.temperature, gen.top_p, generator)
         stats.first_decode_s = time.perf_counter() - t
         stats.ttft_s = time.perf_counter() - start
+        decoder = OffloadDecoder(self.ops, cache, len(tokens), offload, cache.k.shape[2]) if offload else None
         try:
-            yield from self._decode(stream, cache, len(tokens), next_id, generator, gen, stats, start,
+            yield from self._decode(stream, decoder.step if decoder else partial(decode_one, self.ops, cache),
+                                    len(tokens), next_id, generator, gen, stats, start,
                                     first_logits if return_first_logits else None)
+            if decoder:
+                stats.offload = decoder.stats()
         finally:   # also when the caller stops reading: the next request finds these chunks stored
+            if decoder:
+                decoder.close()
             if self.fill_misses and blended.missed:
                 self.blender.store_missed(tokens, blended.missed, stats)
 
-    def _decode(self, stream: "GenerationStream", cache: KVCache, position: int, next_id: int, generator,
+    def _decode(self, stream: "GenerationStream", step: Callable[[int, int], torch.Tensor], position: int,
+                next_id: int, generator,
                 gen: GenerationConfig, stats: GenerationStats, start: float,
                 first_logits: torch.Tensor | None) -> Iterator[str]:
         out_ids: list[int] = []
@@ -155,7 +168,7 @@ class SpecCacheEngine(StreamingEngine):
             if len(out_ids) >= gen.max_new_tokens:
                 break
             with torch.inference_mode():
-                step_logits = decode_one(self.ops, cache, next_id, position)
+                step_logits = step(next_id, position)
             position += 1
             next_id = sample(step_logits, gen.temperature, gen.top_p, generator)
         tail = buffer.flush()

@@ -8,6 +8,24 @@ import torch
 
 
 @dataclass
+class OffloadStats:
+    """Offloaded decoding (``offload=OffloadConfig(...)``): bytes per tier and how well prefetch guessed."""
+
+    bits: int
+    topk: int
+    speculative: bool
+    steps: int = 0                          # decode steps run over the offloaded cache
+    resident_bytes: int = 0                 # on the accelerator: low-bit codes, scales, windows, fetch buffer
+    full_kv_bytes: int = 0                  # the same tokens' full-precision K and V
+    resident_ratio: float = 0.0
+    fetched_bytes_per_step: float = 0.0
+    prefetch_hit_rate: float | None = None  # fetched rows ∩ the output token's own top-k (over the mixed cache)
+    oracle_hit_rate: float | None = None    # … ∩ its top-k at full precision (OffloadConfig(oracle=True))
+    spec_token_hit_rate: float | None = None    # speculative token == the token then decoded
+    decode_tokens_per_s: float = 0.0
+
+
+@dataclass
 class GenerationStats:
     method: str
     prompt_tokens: int
@@ -26,6 +44,7 @@ class GenerationStats:
     first_decode_s: float = 0.0     # logits → first token
     stored_chunks: int = 0          # missed chunks computed alone and stored for the next prompt
     fill_s: float = 0.0             # time spent computing and storing them
+    offload: OffloadStats | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -33,7 +52,10 @@ class GenerationStats:
     @classmethod
     def from_dict(cls, d: dict) -> "GenerationStats":
         """The inverse of ``to_dict``; keys it does not know are ignored."""
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        if isinstance(kw.get("offload"), dict):
+            kw["offload"] = OffloadStats(**kw["offload"])
+        return cls(**kw)
 
     def line(self) -> str:
         """One log line."""
@@ -41,7 +63,9 @@ class GenerationStats:
         return (f"method={self.method} prompt={self.prompt_tokens} reused={self.reused_tokens} "
                 f"recomputed={self.recomputed_tokens} ({share:.1%}) hits={self.cache_hits} misses={self.cache_misses} "
                 f"load={self.load_s:.3f}s draft={self.draft_s:.3f}s recompute={self.recompute_s:.3f}s"
-                + (f" stored={self.stored_chunks} fill={self.fill_s:.3f}s" if self.stored_chunks else ""))
+                + (f" stored={self.stored_chunks} fill={self.fill_s:.3f}s" if self.stored_chunks else "")
+                + (f" offload={self.offload.bits}bit resident={self.offload.resident_ratio:.3f}x"
+                   if self.offload else ""))
 
 
 @dataclass
@@ -79,8 +103,9 @@ class StreamingEngine:
 
     def generate(self, prompt, max_new_tokens: int = 64, reuse=None, temperature: float = 0.0, top_p: float = 1.0,
                  stop: Iterable[str] | str | None = None, seed: int | None = None,
-                 return_first_logits: bool = False) -> GenerationOutput:
-        stream = self.stream(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits)
+                 return_first_logits: bool = False, offload=None) -> GenerationOutput:
+        stream = self.stream(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits,
+                             offload=offload)
         for _ in stream:
             pass
         return stream.output

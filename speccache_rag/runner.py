@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,12 +36,31 @@ class KVCache:
         k = torch.zeros((ops.num_layers, ops.num_kv_heads, capacity, ops.head_dim), dtype=ops.dtype)
         return cls(k=k, v=torch.zeros_like(k), k_pre=torch.zeros_like(k) if keep_pre_rope else None)
 
+    def write(self, layer: int, positions: torch.Tensor, k_pre: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.k_pre is not None:
+            self.k_pre[layer][:, positions] = k_pre
+        self.k[layer][:, positions] = k
+        self.v[layer][:, positions] = v
+
+    def read(self, layer: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of positions [0, num_keys) that the layer attends to."""
+        return self.k[layer, :, :num_keys], self.v[layer, :, :num_keys]
+
+
+class LayerCache(Protocol):
+    """What the layer loop needs of a cache: :class:`KVCache`, or the offloaded decode's mixed-precision view."""
+
+    def write(self, layer: int, positions: torch.Tensor, k_pre: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None: ...
+
+    def read(self, layer: int, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 # observe(layer, q, k): q [H, S, D] the recomputed tokens' rotated queries, k [KVH, T, D] the cache's keys
 Observer = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
-def run_layers(ops: LayerOps, cache: KVCache, h: torch.Tensor, positions: torch.Tensor, layers: range | None = None,
+def run_layers(ops: LayerOps, cache: LayerCache, h: torch.Tensor, positions: torch.Tensor, layers: range | None = None,
                capture: dict[int, torch.Tensor] | None = None, observe: Observer | None = None) -> torch.Tensor:
     """Advance the residual stream of the tokens at ``positions`` through ``layers``.
 
@@ -58,11 +78,8 @@ def run_layers(ops: LayerOps, cache: KVCache, h: torch.Tensor, positions: torch.
     S = h.shape[0]
     for i in layers:
         q, k_pre, k, v = ops.attention_inputs(i, h, rope)
-        if cache.k_pre is not None:
-            cache.k_pre[i][:, positions] = k_pre
-        cache.k[i][:, positions] = k
-        cache.v[i][:, positions] = v
-        keys, values = cache.k[i, :, :num_keys], cache.v[i, :, :num_keys]
+        cache.write(i, positions, k_pre, k, v)
+        keys, values = cache.read(i, num_keys)
         if observe is not None:
             observe(i, q, keys)
         o = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, is_causal=dense,

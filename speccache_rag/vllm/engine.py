@@ -146,8 +146,11 @@ class VllmSpecCacheEngine(StreamingEngine):
     # ---- query ----------------------------------------------------------------------------------
     def stream(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                temperature: float = 0.0, top_p: float = 1.0, stop: Iterable[str] | str | None = None,
-               seed: int | None = None, return_first_logits: bool = False) -> GenerationStream:
+               seed: int | None = None, return_first_logits: bool = False, offload=None) -> GenerationStream:
         """An iterator of this request's text pieces; its ``.output`` holds the result once it is done."""
+        if offload is not None:
+            raise ValueError("offloaded decoding runs on the torch engine only (backend='torch'): vLLM's scheduler "
+                             "has no two-token speculative step and no low-bit decode attention (docs/vllm.md)")
         pending = self._submit(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits)
         stream = GenerationStream()
         stream._pieces = self._pieces(stream, pending)
