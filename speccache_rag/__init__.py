@@ -1,9 +1,9 @@
 """speccache-rag: reuse precomputed chunk KV caches in RAG, repaired by speculative token selection."""
-from .config import GenerationConfig, ReuseConfig, StoreConfig
+from .config import GenerationConfig, OffloadConfig, ReuseConfig, StoreConfig
 from .engine import SpecCacheEngine
-from .output import GenerationOutput, GenerationStats, GenerationStream
+from .output import GenerationOutput, GenerationStats, GenerationStream, OffloadStats
 from .prompt import RAGPrompt
 
-__all__ = ["SpecCacheEngine", "RAGPrompt", "ReuseConfig", "GenerationConfig", "StoreConfig",
-           "GenerationOutput", "GenerationStats", "GenerationStream"]
+__all__ = ["SpecCacheEngine", "RAGPrompt", "ReuseConfig", "OffloadConfig", "GenerationConfig", "StoreConfig",
+           "GenerationOutput", "GenerationStats", "GenerationStream", "OffloadStats"]
 __version__ = "0.1.0"

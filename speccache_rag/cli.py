@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from .chunking import (DEFAULT_CHUNK_TOKENS, MIN_CHUNK_TOKENS, Chunk, chunk_documents, load_documents, rank_chunks,
                        token_counter)
-from .config import DRAFT_METHODS, METHODS, GenerationConfig, ReuseConfig
+from .config import DRAFT_METHODS, METHODS, GenerationConfig, OffloadConfig, ReuseConfig
 
 DEFAULT_TARGET = "smollm2-135m"
 # The demo pairs a target with a draft ~4x smaller, so that choosing tokens costs less than it saves.
@@ -115,7 +115,15 @@ def _stats_line(stats) -> str:
     return (f"method={stats.method} ttft={stats.ttft_s:.3f}s total={stats.total_s:.3f}s "
             f"prompt_tokens={stats.prompt_tokens} reused={stats.reused_tokens} "
             f"recomputed={stats.recomputed_tokens} cache_hits={stats.cache_hits} "
-            f"cache_misses={stats.cache_misses} generated={stats.generated_tokens}")
+            f"cache_misses={stats.cache_misses} generated={stats.generated_tokens}"
+            + (_offload_line(stats.offload) if stats.offload else ""))
+
+
+def _offload_line(o) -> str:
+    hits = "" if o.prefetch_hit_rate is None else f" prefetch_hits={o.prefetch_hit_rate:.2f}"
+    return (f"\noffload={o.bits}bit topk={o.topk} resident={o.resident_bytes / 2**20:.1f}MiB "
+            f"({o.resident_ratio:.3f} of full KV {o.full_kv_bytes / 2**20:.1f}MiB) "
+            f"fetched/step={o.fetched_bytes_per_step / 2**10:.0f}KiB{hits} decode={o.decode_tokens_per_s:.1f} tok/s")
 
 
 def _one_line(text: str) -> str:
@@ -160,6 +168,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     if not args.question.strip():
         raise UsageError("the question is empty")
     reuse = ReuseConfig(method=args.method, recompute_ratio=args.ratio)
+    offload = OffloadConfig(bits=args.offload, topk=args.offload_topk) if args.offload else None
     load_documents([args.docs])
     # only the draft-scored methods run the draft; don't load one for the others
     engine = _engine(args, args.draft if args.method in DRAFT_METHODS else None, args.store)
@@ -179,14 +188,14 @@ def cmd_ask(args: argparse.Namespace) -> int:
         prompt = RAGPrompt(chunks=[c.text for c in picked], question=args.question)
         _warm_up(engine)
         if args.stream:
-            stream = engine.stream(prompt, max_new_tokens=args.max_new_tokens, reuse=reuse)
+            stream = engine.stream(prompt, max_new_tokens=args.max_new_tokens, reuse=reuse, offload=offload)
             for piece in stream:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             out = stream.output
             sys.stdout.write("\n")
         else:
-            out = engine.generate(prompt, max_new_tokens=args.max_new_tokens, reuse=reuse)
+            out = engine.generate(prompt, max_new_tokens=args.max_new_tokens, reuse=reuse, offload=offload)
             print(out.text.strip())
         sys.stdout.flush()
         _err(_stats_line(out.stats))
@@ -283,6 +292,13 @@ def _ratio(text: str) -> float | str:
     return "auto" if text == "auto" else float(text)
 
 
+def _offload_bits(text: str) -> int:
+    try:
+        return OffloadConfig.parse(text).bits
+    except (ValueError, AttributeError):
+        raise argparse.ArgumentTypeError(f"expected 2bit or 1bit, got {text!r}") from None
+
+
 def _add_answer_args(p: argparse.ArgumentParser, max_new_tokens: int, top_k_help: str,
                      ratio: float = _DEFAULTS.recompute_ratio) -> None:
     p.add_argument("--ratio", type=_ratio, default=ratio,
@@ -333,6 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=METHODS, default=_DEFAULTS.method, help="(default: %(default)s)")
     _add_answer_args(p, GenerationConfig().max_new_tokens, "chunks in the prompt")
     p.add_argument("--stream", action="store_true", help="print the answer as it is generated")
+    p.add_argument("--offload", type=_offload_bits, default=None, metavar="2bit|1bit",
+                   help="decode with SpeCache offloading: a low-bit KV copy resident, top-k rows fetched each step")
+    p.add_argument("--offload-topk", type=int, default=OffloadConfig().topk, metavar="K",
+                   help="rows fetched per KV head and layer each step (default: %(default)s)")
     _add_chunk_args(p)
     p.set_defaults(func=cmd_ask)
 

@@ -142,6 +142,22 @@ def test_ask_answers_from_the_documents(filled_store, shared_model, capsys, meth
         assert "not in the store" not in err
 
 
+def test_ask_with_offloaded_decoding(filled_store, shared_model, capsys):
+    argv = ["ask", QUESTION, "--docs", DEMO, "--store", str(filled_store[0]), "--max-new-tokens", "12"]
+    assert cli.main(argv) == 0
+    plain = capsys.readouterr().out
+    assert cli.main([*argv, "--offload", "2bit", "--offload-topk", "100000"]) == 0   # k ≥ context: exact
+    out, err = capsys.readouterr()
+    assert out == plain and "212" in out
+    m = re.search(r"offload=2bit topk=100000 resident=[\d.]+MiB \(([\d.]+) of full KV", err)
+    assert m and float(m.group(1)) > 1, err              # a fetch buffer that holds every row, on top
+    assert cli.main([*argv, "--offload", "1bit"]) == 0
+    m = re.search(r"offload=1bit topk=64 resident=[\d.]+MiB \(([\d.]+) of full KV", capsys.readouterr().err)
+    assert m and float(m.group(1)) < 0.5
+    assert cli.main([*argv, "--offload", "3bits"]) == 2
+    assert "expected 2bit or 1bit" in capsys.readouterr().err
+
+
 def test_demo_end_to_end(filled_store, shared_model, capsys):
     assert cli.main(["demo", "--store", str(filled_store[0]), "--max-new-tokens", "8", "--target", "smollm2-135m",
                      "--draft", "smollm2-135m", "--method", "speccache"]) == 0

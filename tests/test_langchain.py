@@ -161,6 +161,19 @@ def test_chain_at_ratio_one_answers_like_full_prefill(rag, engine):
     assert full.last_stats.method == "full"
 
 
+def test_offloaded_decoding_option(rag, engine):
+    _, retriever = rag
+    plain = ChatSpecCache(engine=engine, max_tokens=8)
+    exact = ChatSpecCache(engine=engine, max_tokens=8, offload="2bit")
+    exact_cfg = {"offload": __import__("speccache_rag").OffloadConfig(topk=100_000)}      # k ≥ context
+    assert _chain(retriever, exact.bind(**exact_cfg)).invoke(QUESTION) == _chain(retriever, plain).invoke(QUESTION)
+    assert exact.last_stats.offload.prefetch_hit_rate == 1.0
+    pieces = list(ChatSpecCache(engine=engine, max_tokens=6, offload="1bit").stream("Count to five: one, two,"))
+    assert pieces and pieces[-1].response_metadata["speccache"]["offload"]["bits"] == 1
+    with pytest.raises(ValueError):
+        ChatSpecCache(engine=engine, offload="3 bits")
+
+
 def test_usage_metadata_reports_reused_tokens_as_cache_read(rag, engine):
     chunks, _ = rag
     chat = ChatSpecCache(engine=engine, max_tokens=4, method="reuse")

@@ -19,7 +19,7 @@ from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
 from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode  # noqa: E402
 
 from llama_index.llms.speccache import SpecCacheKVPrecompute, SpecCacheLLM  # noqa: E402
-from speccache_rag import SpecCacheEngine  # noqa: E402
+from speccache_rag import OffloadConfig, SpecCacheEngine  # noqa: E402
 
 QUESTION = "How many members does the Kettlewick Cooperative have?"
 
@@ -76,6 +76,19 @@ def test_ratio_one_answers_like_full_prefill(index, engine):
     assert str(a) == str(b)
     assert ratio1.last_stats.cache_hits == 2 and ratio1.last_stats.reused_tokens == 0
     assert full.last_stats.method == "full"
+
+
+def test_offloaded_decoding_option(index, engine):
+    plain = SpecCacheLLM(engine=engine, max_new_tokens=8)
+    exact = SpecCacheLLM(engine=engine, max_new_tokens=8, offload=OffloadConfig(topk=100_000))   # k ≥ context
+    one_bit = SpecCacheLLM(engine=engine, max_new_tokens=8, offload="1bit")
+    a, b = (str(index.as_query_engine(llm=llm, similarity_top_k=2).query(QUESTION)) for llm in (plain, exact))
+    assert a == b and plain.last_stats.offload is None
+    assert exact.last_stats.offload.bits == 2 and exact.last_stats.offload.prefetch_hit_rate == 1.0
+    r = one_bit.complete("Count to five: one, two,")
+    assert r.additional_kwargs["offload"]["bits"] == 1 and r.raw["stats"]["offload"]["resident_ratio"] > 0
+    with pytest.raises(ValueError):
+        SpecCacheLLM(engine=engine, offload="3 bits")
 
 
 def test_streaming_and_async_query_engines(index, engine):

@@ -106,10 +106,10 @@ def test_resident_bytes_measured_equal_the_formula(bits, dtype):
     cfg = OffloadConfig(bits=bits, topk=8, group=16, residual=32)
     k, v = _kv(100, d=32, dtype=dtype)
     tiers = LayerTiers(k, v, cfg, capacity=140)
-    assert tiers.resident_bytes() == resident_bytes_formula(100, 2, 32, cfg, k.element_size())
+    assert tiers.resident_bytes() == resident_bytes_formula(100, 2, 32, cfg, k.element_size(), 140)
     for _ in range(31):
         tiers.append(k[:, 0], v[:, 0])
-    assert tiers.resident_bytes() == resident_bytes_formula(131, 2, 32, cfg, k.element_size())
+    assert tiers.resident_bytes() == resident_bytes_formula(131, 2, 32, cfg, k.element_size(), 140)
 
 
 def test_offload_config_is_validated():
@@ -227,7 +227,7 @@ def test_stats_count_fetches_and_hits(tiny):
     assert 0.0 <= s.prefetch_hit_rate <= 1.0 and 0.0 <= s.oracle_hit_rate <= 1.0
     assert 0.0 <= s.spec_token_hit_rate <= 1.0 and s.decode_tokens_per_s > 0
     assert s.full_kv_bytes == 3 * 2 * 2 * 96 * 16 * 4
-    assert s.resident_bytes == 3 * resident_bytes_formula(96, 2, 16, cfg, 4)
+    assert s.resident_bytes == 3 * resident_bytes_formula(96, 2, 16, cfg, 4, 104)
 
 
 # ---- real model: recall and the engine --------------------------------------------------------------

@@ -23,7 +23,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, Field, PrivateAttr, field_serializer, model_validator
 
 from langchain_speccache.callbacks import RetrievalHints
-from speccache_rag import GenerationOutput, GenerationStats, ReuseConfig, SpecCacheEngine
+from speccache_rag import GenerationOutput, GenerationStats, OffloadConfig, ReuseConfig, SpecCacheEngine
 from speccache_rag.matching import astream_text, precompute_texts, stream_text
 
 
@@ -86,6 +86,9 @@ class ChatSpecCache(BaseChatModel):
     recompute_ratio: Union[float, Literal["auto"]] = Field(
         default=0.15,
         description="Share of reused chunk tokens recomputed; 'auto': chosen per prompt (ReuseConfig.auto_range).")
+    offload: Union[str, OffloadConfig, None] = Field(
+        default=None, description="Offloaded decoding (SpeCache), torch backend: '2bit', '1bit' or an OffloadConfig — "
+        "a low-bit KV copy stays resident and the top-k rows are fetched each step.")
     max_tokens: int = Field(default=64, gt=0, alias="max_new_tokens", description="Tokens to generate at most.")
     temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
@@ -112,6 +115,7 @@ class ChatSpecCache(BaseChatModel):
     @model_validator(mode="after")
     def _check_reuse(self) -> "ChatSpecCache":
         ReuseConfig(method=self.method, recompute_ratio=self.recompute_ratio)   # fail early on bad values
+        OffloadConfig.parse(self.offload)
         return self
 
     @field_serializer("store")
@@ -151,7 +155,7 @@ class ChatSpecCache(BaseChatModel):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return {"target": self.target, "draft": self.draft, "method": self.method,
-                "recompute_ratio": self.recompute_ratio, "store": self._store_name(self.store)}
+                "recompute_ratio": self.recompute_ratio, "offload": self.offload, "store": self._store_name(self.store)}
 
     def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(ls_provider="speccache", ls_model_name=kwargs.get("model", self.target),
@@ -171,6 +175,7 @@ class ChatSpecCache(BaseChatModel):
             max_new_tokens=kwargs.get("max_tokens", self.max_tokens),
             reuse=ReuseConfig(method=kwargs.get("method", self.method),
                               recompute_ratio=kwargs.get("recompute_ratio", self.recompute_ratio)),
+            offload=OffloadConfig.parse(kwargs.get("offload", self.offload)),
             temperature=kwargs.get("temperature", self.temperature),
             top_p=kwargs.get("top_p", self.top_p),
             stop=stop if stop is not None else self.stop,

@@ -40,7 +40,7 @@ class LayerTiers:
         self.vz = torch.empty_like(self.vs)
         self.kr = torch.empty((kvh, cfg.residual, d), **alloc)
         self.vr = torch.empty_like(self.kr)
-        self.fk = torch.empty((kvh, cfg.topk, d), **alloc)
+        self.fk = torch.empty((kvh, min(cfg.topk, capacity), d), **alloc)
         self.fv = torch.empty_like(self.fk)
         self.fetched = torch.empty((kvh, 0), dtype=torch.long, device=k.device)
         self.fetched_bytes = 0
@@ -149,11 +149,12 @@ class LayerTiers:
         return sum(t.nbytes for t in used)
 
 
-def resident_bytes_formula(n: int, kv_heads: int, head_dim: int, cfg: OffloadConfig, elem: int) -> int:
-    """Resident bytes of one layer holding ``n`` tokens (elements of ``elem`` bytes), by the formula."""
+def resident_bytes_formula(n: int, kv_heads: int, head_dim: int, cfg: OffloadConfig, elem: int,
+                           capacity: int) -> int:
+    """Resident bytes of one layer holding ``n`` of ``capacity`` tokens (elements of ``elem`` bytes)."""
     r, g, gv = cfg.residual, cfg.group, min(cfg.group, head_dim)
     nk, nv = n // r * r, max(0, n - r)
     codes = (nk + nv) * head_dim * cfg.bits // 8
     scales = 2 * (nk // g * head_dim + nv * (head_dim // gv)) * elem
-    windows = 2 * r * head_dim * elem + 2 * cfg.topk * head_dim * elem
+    windows = 2 * r * head_dim * elem + 2 * min(cfg.topk, capacity) * head_dim * elem
     return kv_heads * (codes + scales + windows)

@@ -21,7 +21,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.llm import LLM
 
 from llama_index.llms.speccache.hints import RetrievalHints
-from speccache_rag import GenerationOutput, GenerationStats, ReuseConfig, SpecCacheEngine
+from speccache_rag import GenerationOutput, GenerationStats, OffloadConfig, ReuseConfig, SpecCacheEngine
 from speccache_rag.matching import astream_text, stream_text
 
 _ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant"}
@@ -84,6 +84,9 @@ class SpecCacheLLM(LLM):
     recompute_ratio: Union[float, Literal["auto"]] = Field(
         default=0.15,
         description="Share of reused chunk tokens recomputed; 'auto': chosen per prompt (ReuseConfig.auto_range).")
+    offload: Union[str, OffloadConfig, None] = Field(
+        default=None, description="Offloaded decoding (SpeCache), torch backend: '2bit', '1bit' or an OffloadConfig — "
+        "a low-bit KV copy stays resident and the top-k rows are fetched each step.")
     temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
     stop: Optional[List[str]] = Field(default=None, description="Stop strings.")
@@ -106,6 +109,7 @@ class SpecCacheLLM(LLM):
             kwargs.setdefault("store", engine.store)
         super().__init__(**kwargs)
         ReuseConfig(method=self.method, recompute_ratio=self.recompute_ratio)   # fail early on bad values
+        OffloadConfig.parse(self.offload)
         self._engine = engine
         if self.use_retrieval_hints:
             self._hints_seen = RetrievalHints()
@@ -153,6 +157,7 @@ class SpecCacheLLM(LLM):
             max_new_tokens=kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
             reuse=ReuseConfig(method=kwargs.get("method", self.method),
                               recompute_ratio=kwargs.get("recompute_ratio", self.recompute_ratio)),
+            offload=OffloadConfig.parse(kwargs.get("offload", self.offload)),
             temperature=kwargs.get("temperature", self.temperature),
             top_p=kwargs.get("top_p", self.top_p),
             stop=kwargs.get("stop", self.stop),
