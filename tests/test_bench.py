@@ -206,6 +206,38 @@ def test_bench_ttft_suite_times_every_method_in_both_dtypes(tmp_path):
     assert "× full float32 | × full bfloat16" in report and report.count("| qattn@0.15 |") == 2
 
 
+def test_bench_offload_suite_reports_every_config(tmp_path):
+    """`bench --suite offload`, shrunk to SmolLM2 at ~1 k tokens; --resume adds only the missing prompts."""
+    from speccache_rag.cli import main
+
+    out = tmp_path / "offload"
+    argv = ["bench", "--suite", "offload", "--out", str(out), "--targets", "smollm2-135m", "--contexts", "1024",
+            "--max-new-tokens", "6", "--dtypes", "float32", "--no-progress"]
+    assert main([*argv, "--per-task", "1"]) == 0
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    configs = {r["config"] for r in rows}
+    assert configs == {"full"} | {f"{b}bit-{k}" for b in (1, 2) for k in ("k16", "k64", "k256", "k64-nonspec", "k0")}
+    assert len(rows) == 2 * len(configs) and {r["task"] for r in rows} == {"needle", "bridge"}
+    for r in rows:
+        assert 800 < r["prompt_tokens"] < 1100 and r["kl"] >= 0 and 0 <= r["top1"] <= 1
+        if r["config"] != "full":
+            assert r["resident_ratio"] < 1 and r["resident_ratio_16bit"] < 1
+            assert (r["prefetch_hit_rate"] is None) == (r["topk"] == 0)
+            assert (r["spec_token_hit_rate"] is None) == (not r["speculative"])
+            if r["same_tokens"]:
+                assert r["score"] == r["full_score"]
+    by = {(r["example"], r["config"]): r for r in rows}
+    for ex in {r["example"] for r in rows}:           # fewer resident bits, more KL (k = 0: pure low-bit)
+        assert by[(ex, "1bit-k0")]["kl"] >= by[(ex, "2bit-k0")]["kl"] * 0.5
+        assert by[(ex, "2bit-k0")]["resident_ratio"] > by[(ex, "1bit-k0")]["resident_ratio"]
+    report = (out / "report.md").read_text()
+    assert report.count("| 2bit-k64 |") == 1 and "## Goals" in report and "2-bit k=64 keeps" in report
+    assert (out / "offload_accuracy_vs_resident.png").exists()
+    assert main([*argv, "--per-task", "2", "--resume"]) == 0
+    again = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(again) == 4 * len(configs) and again[:len(rows)] == rows
+
+
 def test_sign_test_and_paired_counts():
     from speccache_rag.bench.report import paired, sign_test_p
 

@@ -23,8 +23,9 @@ def _shard(text: str) -> tuple[int, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--suite", default="quick", choices=sorted([*SUITES, "ttft"]),
-                   help="what to run (default: quick); ttft = the timing suite of every method in each dtype")
+    p.add_argument("--suite", default="quick", choices=sorted([*SUITES, "ttft", "offload"]),
+                   help="what to run (default: quick); ttft = the timing suite of every method in each dtype; "
+                        "offload = SpeCache offloaded decoding against full-KV decode")
     p.add_argument("--out", default=None, help="results directory (default: bench-results/SUITE)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true", help="continue DIR/results.jsonl, skipping rows already there")
@@ -54,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only prompts with index K mod N: N processes with the same --out and --resume split a suite")
     p.add_argument("--sink", default=None, choices=SINK_POLICIES,
                    help="chunk-KV policy: bos (default), prefix (behind the shared template prefix) or none")
+    p.add_argument("--targets", default=None, help="offload suite: comma-separated target models")
+    p.add_argument("--contexts", default=None, help="offload suite: prompt lengths in tokens (default: 4096,8192)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -89,6 +92,19 @@ def ttft_suite_from_args(args: argparse.Namespace):
     return TimingSuite(**{k: v for k, v in changes.items() if v is not None}).validate()
 
 
+def offload_suite_from_args(args: argparse.Namespace):
+    from .offload import OffloadSuite
+
+    dtypes = _csv(args.dtypes) if args.dtypes else None
+    if dtypes and len(dtypes) != 1:
+        raise ValueError("--dtypes takes one dtype for the offload suite")
+    changes = {"targets": _csv(args.targets) if args.targets else None,
+               "contexts": [int(c) for c in _csv(args.contexts)] if args.contexts else None,
+               "n_per_task": args.per_task, "max_new_tokens": args.bench_max_new_tokens,
+               "dtype": dtypes[0] if dtypes else None}
+    return OffloadSuite(**{k: v for k, v in changes.items() if v is not None})
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -100,6 +116,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.suite == "offload":
+        from .offload import run_offload_suite
+
+        path = run_offload_suite(offload_suite_from_args(args), out, resume=args.resume,
+                                 progress=not args.no_progress, command=getattr(args, "command", None))
+        print(f"report: {path}")
+        return 0
     if args.suite == "ttft":
         from .ttft import run_ttft_suite
 
