@@ -46,7 +46,8 @@ class Blender:
     def chunk_kv(self, token_ids: list[int], key: str, text: str) -> ChunkKV:
         """The chunk prefilled alone (after the sink tokens, whose entries are dropped), keys before RoPE."""
         cache, _ = full_prefill(self.ops, torch.tensor(self.sink_ids + list(token_ids)), keep_pre_rope=True)
-        return chunk_entry(cache, len(self.sink_ids), len(self.sink_ids) + len(token_ids), token_ids, key, text)
+        return chunk_entry(cache, len(self.sink_ids), len(self.sink_ids) + len(token_ids), token_ids, key, text,
+                           self.fingerprint)
 
     def load(self, tokens: TokenizedPrompt, cache: KVCache, stats: GenerationStats,
              keys: dict[int, str] | None = None) -> tuple[torch.Tensor, list[Segment]]:
@@ -109,7 +110,9 @@ class Blender:
         stats.fill_s += time.perf_counter() - t
 
 
-def chunk_entry(cache: KVCache, start: int, end: int, token_ids: list[int], key: str, text: str) -> ChunkKV:
-    """Positions [start, end) of a cache filled with ``keep_pre_rope`` as a store entry."""
+def chunk_entry(cache: KVCache, start: int, end: int, token_ids: list[int], key: str, text: str,
+                fingerprint: str) -> ChunkKV:
+    """Positions [start, end) of a cache filled with ``keep_pre_rope`` as a store entry. The model
+    fingerprint rides along so that ``speccache-rag store verify`` can name entries of unknown models."""
     return ChunkKV(key, list(token_ids), cache.k_pre[:, :, start:end].clone(), cache.v[:, :, start:end].clone(),
-                   meta={"text": text})
+                   meta={"text": text, "fingerprint": fingerprint})

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -11,10 +12,21 @@ from safetensors.torch import save as st_save
 
 # Bump when the meaning of stored tensors changes (layout, rotation convention, sink handling).
 KV_LAYOUT_VERSION = 1
+# Keys become file names and Redis keys: nothing that could climb out of a directory, hide, or hold NUL.
+KEY_RE = re.compile(r"[0-9A-Za-z_-]{2,200}")
+META_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+MAX_HEADER_BYTES = 16 << 20         # token ids + text of a long chunk are well under this
 
 
 class CorruptEntry(ValueError):
     """A stored entry failed its integrity check; callers treat it as a miss."""
+
+
+def check_key(key: object) -> str:
+    """``key`` if it is a safe chunk key (2–200 characters of [0-9A-Za-z_-]), else ValueError."""
+    if not isinstance(key, str) or not KEY_RE.fullmatch(key):
+        raise ValueError(f"invalid chunk key {str(key)[:80]!r}: expected 2-200 characters of [0-9A-Za-z_-]")
+    return key
 
 
 @dataclass
@@ -33,13 +45,24 @@ class ChunkKV:
 
     def to_bytes(self) -> bytes:
         """safetensors blob; the JSON metadata rides in its header, with a checksum over the tensors."""
+        check_key(self.key)
+        bad = [m for m in self.meta if not isinstance(m, str) or not META_KEY_RE.fullmatch(m)
+               or m in ("key", "token_ids", "layout", "checksum")]
+        if bad:
+            raise ValueError(f"invalid metadata names {[str(m)[:40] for m in bad]}: expected identifiers "
+                             "other than key, token_ids, layout and checksum")
         k, v = self.k.contiguous(), self.v.contiguous()
         meta = {"key": self.key, "token_ids": self.token_ids, "layout": KV_LAYOUT_VERSION,
                 "checksum": _checksum(k, v), **self.meta}
-        return st_save({"k": k, "v": v}, metadata={"json": json.dumps(meta)})
+        header = json.dumps(meta)
+        if len(header) > MAX_HEADER_BYTES:
+            raise ValueError(f"metadata of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
+        return st_save({"k": k, "v": v}, metadata={"json": header})
 
     @classmethod
     def from_bytes(cls, blob: bytes, expect_key: str | None = None) -> "ChunkKV":
+        if len(blob) < 8 or not 0 < int.from_bytes(blob[:8], "little") <= min(len(blob) - 8, 2 * MAX_HEADER_BYTES):
+            raise CorruptEntry("KV entry header length is out of bounds")
         try:
             tensors = st_load(blob)
             header = _read_header(blob)

@@ -1,5 +1,9 @@
 """Session-wide fixtures shared by the test files."""
+import shutil
+
 import pytest
+
+from redis_server import NO_REDIS_PY, free_port, start_redis, stop
 
 
 @pytest.fixture(scope="session")
@@ -24,3 +28,15 @@ def demo_docs():
     from speccache_rag.data import demo_documents
 
     return demo_documents()
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real, throwaway redis-server (no persistence) on a free port, for the whole session."""
+    pytest.importorskip("redis", reason=NO_REDIS_PY)
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server binary not found (apt-get install redis-server)")
+    port = free_port()
+    proc = start_redis(port, tmp_path_factory.mktemp("redis"))
+    yield f"redis://127.0.0.1:{port}/0"
+    stop(proc)

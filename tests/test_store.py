@@ -5,8 +5,6 @@ import builtins
 import os
 import pickle
 import shutil
-import socket
-import subprocess
 import sys
 import time
 import warnings
@@ -18,8 +16,9 @@ import torch
 from speccache_rag.kv import ChunkKV
 from speccache_rag.store import DiskStore, KVStore, MemoryStore, open_store
 
+from redis_server import NO_REDIS_PY, free_port, start_redis, stop
+
 LAYERS, HEADS, DIM = 2, 2, 8
-NO_REDIS_PY = "the 'redis' extra is not installed: pip install 'speccache-rag[redis]'"
 
 
 def make_chunk(key: str, tokens: int = 4, text: str | None = None) -> ChunkKV:
@@ -32,51 +31,6 @@ def assert_same(a: ChunkKV | None, b: ChunkKV) -> None:
     assert a is not None
     assert a.key == b.key and a.token_ids == b.token_ids and a.meta == b.meta
     assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_redis(port: int, workdir: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with code {proc.returncode}")
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("redis-server did not start listening within 10 s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory):
-    """A real, throwaway redis-server (no persistence) on a free port, for the whole session."""
-    pytest.importorskip("redis", reason=NO_REDIS_PY)
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server binary not found (apt-get install redis-server)")
-    port = free_port()
-    proc = start_redis(port, tmp_path_factory.mktemp("redis"))
-    yield f"redis://127.0.0.1:{port}/0"
-    stop(proc)
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ class OffloadSuite:
     bits: list[int] = field(default_factory=lambda: [2, 1])
     topks: list[int] = field(default_factory=lambda: [16, 64, 256])
     ablation_topk: int = 64                      # speculative=False at this k, and k = 0, per bit width
-    max_new_tokens: int = 12
+    max_new_tokens: int = 24                     # the answers restate the question: ~15 tokens
     dtype: str = "float32"
     seed: int = 2000
     # (target, context) → fewer prompts per task where a full grid costs too much on this machine
@@ -89,12 +89,15 @@ def run_example(ops: HFLayers, tokenizer, stops: set[int], suite: OffloadSuite, 
         full_tps = len(ref_logits) / max(1e-9, time.perf_counter() - t)
 
     def score(ids: list[int]) -> float:
-        s = task_scores(tokenizer.decode(ids, skip_special_tokens=True), ex.answers, ex.values)
+        s = task_scores(text(ids), ex.answers, ex.values)
         return s.get(ex.metric, s["f1"])
+
+    def text(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
 
     base = dict(example=ex.id, task=ex.task, prompt_tokens=n, full_score=score(ref), full_decode_tps=full_tps,
                 reference_tokens=len(ref))
-    rows = [dict(base, config="full", score=score(ref), kl=0.0, top1=1.0, resident_ratio=1.0,
+    rows = [dict(base, config="full", answer=text(ref), score=score(ref), kl=0.0, top1=1.0, resident_ratio=1.0,
                  resident_ratio_16bit=1.0, decode_tps=full_tps)]
     for name, cfg in configs:
         dec = OffloadDecoder(ops, cache, n, cfg, cap)
@@ -109,7 +112,7 @@ def run_example(ops: HFLayers, tokenizer, stops: set[int], suite: OffloadSuite, 
         per_layer16 = resident_bytes_formula(n + stats.steps, ops.num_kv_heads, ops.head_dim, cfg, 2, cap)
         full16 = 2 * ops.num_kv_heads * (n + stats.steps) * ops.head_dim * 2
         rows.append(dict(base, config=name, bits=cfg.bits, topk=cfg.topk, speculative=cfg.speculative,
-                         score=score(toks), same_tokens=toks == ref,
+                         answer=text(toks), score=score(toks), same_tokens=toks == ref,
                          kl=sum(f["kl"] for f in fid) / max(1, len(fid)),
                          top1=sum(f["top1"] for f in fid) / max(1, len(fid)),
                          resident_ratio=stats.resident_ratio, resident_ratio_16bit=per_layer16 / full16,

@@ -25,5 +25,10 @@ class KVStore(ABC):
     @abstractmethod
     def keys(self) -> list[str]: ...
 
+    def raw(self, key: str) -> bytes | None:
+        """The entry's stored bytes as they are, unchecked and never deleted (operator commands)."""
+        chunk = self.get(key)
+        return chunk.to_bytes() if chunk is not None else None
+
     def close(self) -> None:
         pass

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 import threading
 import time
@@ -10,13 +9,11 @@ import warnings
 from pathlib import Path
 
 from ..config import StoreConfig
-from ..kv import ChunkKV, CorruptEntry
+from ..kv import ChunkKV, CorruptEntry, check_key
 from .base import KVStore
 
 _SUFFIX = ".safetensors"
 _TMP_SUFFIX = ".tmp"
-# Keys become file names: refuse anything that could climb out of the root or hide as a temp file.
-_KEY_RE = re.compile(r"[0-9A-Za-z_-]{2,200}")
 # A writer that crashed leaves its temp file behind; one this old is certainly abandoned.
 _STALE_TMP_S = 3600.0
 # gc goes this far below the budget so that a store sitting at its bound is not rescanned on every put.
@@ -43,9 +40,7 @@ class DiskStore(KVStore):
 
     def path(self, key: str) -> Path:
         """Where ``key``'s entry lives."""
-        if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
-            raise ValueError(f"invalid chunk key {key!r}: expected 2-200 characters of [0-9A-Za-z_-]")
-        return self.root / key[:2] / f"{key}{_SUFFIX}"
+        return self.root / check_key(key)[:2] / f"{key}{_SUFFIX}"
 
     def get(self, key: str) -> ChunkKV | None:
         path = self.path(key)
@@ -90,6 +85,12 @@ class DiskStore(KVStore):
             over = self._size > self.max_bytes
         if over:
             self.gc()
+
+    def raw(self, key: str) -> bytes | None:
+        try:
+            return self.path(key).read_bytes()
+        except FileNotFoundError:
+            return None
 
     def contains(self, key: str) -> bool:
         return self.path(key).is_file()

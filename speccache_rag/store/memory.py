@@ -5,7 +5,7 @@ import threading
 from collections import OrderedDict
 
 from ..config import StoreConfig
-from ..kv import ChunkKV
+from ..kv import ChunkKV, check_key
 from .base import KVStore
 
 
@@ -31,6 +31,7 @@ class MemoryStore(KVStore):
         return self._bytes
 
     def get(self, key: str) -> ChunkKV | None:
+        check_key(key)
         with self._lock:
             chunk = self._entries.get(key)
             if chunk is not None:
@@ -38,6 +39,7 @@ class MemoryStore(KVStore):
             return chunk
 
     def put(self, chunk: ChunkKV) -> None:
+        check_key(chunk.key)
         with self._lock:
             self._pop(chunk.key)
             # An entry that alone exceeds the bound would evict everything and then itself.
@@ -50,10 +52,12 @@ class MemoryStore(KVStore):
 
     def contains(self, key: str) -> bool:
         # A membership check is not a use: it must not refresh recency.
+        check_key(key)
         with self._lock:
             return key in self._entries
 
     def delete(self, key: str) -> None:
+        check_key(key)
         with self._lock:
             self._pop(key)
 

@@ -10,7 +10,7 @@ import time
 import warnings
 from typing import Callable, TypeVar
 
-from ..kv import ChunkKV, CorruptEntry
+from ..kv import ChunkKV, CorruptEntry, check_key
 from .base import KVStore
 
 PREFIX = "speccache:kv:"
@@ -28,18 +28,22 @@ def _import_redis():
 class RedisStore(KVStore):
     """Values are ``ChunkKV.to_bytes()`` blobs under ``speccache:kv:<key>``.
 
-    Eviction is Redis's own business (configure ``maxmemory`` and ``maxmemory-policy allkeys-lru``).
+    Eviction is Redis's own business (configure ``maxmemory`` and ``maxmemory-policy allkeys-lru``);
+    ``ttl`` (seconds; ``redis://…?ttl=N``) also expires entries. ``rediss://`` and ``redis://user:pass@…``
+    are redis-py's TLS and auth.
     While the server is unreachable every call is a miss and puts are dropped; a reconnect is tried
     at most every ``retry_interval`` seconds so a dead server costs nothing on the hot path.
     """
 
-    def __init__(self, url: str, *, retry_interval: float = 5.0, connect_timeout: float = 1.0,
-                 socket_timeout: float = 10.0):
+    def __init__(self, url: str, *, ttl: int | None = None, retry_interval: float = 5.0,
+                 connect_timeout: float = 1.0, socket_timeout: float = 10.0):
         redis = _import_redis()
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
-        self.retry_interval = retry_interval
+        if ttl is not None and ttl <= 0:
+            raise ValueError(f"ttl must be a positive number of seconds, got {ttl}")
+        self.ttl, self.retry_interval = ttl, retry_interval
         # One immediate retry reconnects a pooled socket that died with a server restart; more
         # (redis-py's defaults vary by version) would multiply the connect timeout on a dead server.
         self._client = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout,
@@ -60,7 +64,7 @@ class RedisStore(KVStore):
         return time.monotonic() >= self._retry_at
 
     def get(self, key: str) -> ChunkKV | None:
-        blob = self._call(lambda: self._client.get(PREFIX + key), None)
+        blob = self._call(lambda: self._client.get(PREFIX + check_key(key)), None)
         if blob is None:
             return None
         try:
@@ -73,13 +77,21 @@ class RedisStore(KVStore):
 
     def put(self, chunk: ChunkKV) -> None:
         blob = chunk.to_bytes()
-        self._call(lambda: self._client.set(PREFIX + chunk.key, blob), None)
+        # One SET: Redis never shows a value half-written.
+        self._call(lambda: self._client.set(PREFIX + chunk.key, blob, ex=self.ttl), None)
+
+    def raw(self, key: str) -> bytes | None:
+        return self._call(lambda: self._client.get(PREFIX + check_key(key)), None)
+
+    def idle_seconds(self, key: str) -> int:
+        """Seconds since the entry was last read or written (Redis's own LRU clock)."""
+        return int(self._call(lambda: self._client.object("idletime", PREFIX + check_key(key)), 0) or 0)
 
     def contains(self, key: str) -> bool:
-        return bool(self._call(lambda: self._client.exists(PREFIX + key), 0))
+        return bool(self._call(lambda: self._client.exists(PREFIX + check_key(key)), 0))
 
     def delete(self, key: str) -> None:
-        self._call(lambda: self._client.delete(PREFIX + key), 0)
+        self._call(lambda: self._client.delete(PREFIX + check_key(key)), 0)
 
     def keys(self) -> list[str]:
         def scan() -> list[str]:

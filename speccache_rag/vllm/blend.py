@@ -75,7 +75,8 @@ class PagedBlender:
             ids = tokens.token_ids[seg.start:seg.end]
             key = chunk_key(self.core.fingerprint, ids)
             if seg.start == len(sink) and tokens.token_ids[:seg.start] == sink:
-                entry = chunk_entry(cache, seg.start, seg.end, ids, key, seg.text)      # the chunk's KV alone
+                entry = chunk_entry(cache, seg.start, seg.end, ids, key, seg.text,      # the chunk's KV alone
+                                    self.core.fingerprint)
             else:
                 entry = self.core.chunk_kv(ids, key, seg.text)
             self.core.store.put(entry)
