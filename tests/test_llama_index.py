@@ -87,6 +87,10 @@ def test_offloaded_decoding_option(index, engine):
     assert exact.last_stats.offload.bits == 2 and exact.last_stats.offload.prefetch_hit_rate == 1.0
     r = one_bit.complete("Count to five: one, two,")
     assert r.additional_kwargs["offload"]["bits"] == 1 and r.raw["stats"]["offload"]["resident_ratio"] > 0
+    usage = r.raw["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == r.additional_kwargs["cached_tokens"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] == \
+        r.additional_kwargs["prompt_tokens"] + r.additional_kwargs["generated_tokens"]
     with pytest.raises(ValueError):
         SpecCacheLLM(engine=engine, offload="3 bits")
 

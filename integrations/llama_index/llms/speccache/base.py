@@ -188,7 +188,7 @@ class SpecCacheLLM(LLM):
         return CompletionResponse(text=out.text, delta="",
                                   additional_kwargs={**stats, "cached_tokens": out.stats.reused_tokens},
                                   raw={"stats": stats, "finish_reason": out.finish_reason,
-                                       "token_ids": out.token_ids})
+                                       "token_ids": out.token_ids, "usage": _usage(out.stats)})
 
     def _run(self, messages: List[dict], kwargs: Dict[str, Any]) -> CompletionResponseGen:
         text = ""
@@ -257,6 +257,13 @@ class SpecCacheLLM(LLM):
                 yield _to_chat(r)
 
         return gen()
+
+
+def _usage(s: GenerationStats) -> dict:
+    """The OpenAI usage shape LlamaIndex's token counting reads, with reused tokens as cached tokens."""
+    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.generated_tokens,
+            "total_tokens": s.prompt_tokens + s.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": s.reused_tokens}}
 
 
 def _as_dicts(messages: Sequence[ChatMessage]) -> List[dict]:
