@@ -134,10 +134,13 @@ class SpecCacheEngine(StreamingEngine):
         next_id = sample(first_logits, gen.temperature, gen.top_p, generator)
         stats.first_decode_s = time.perf_counter() - t
         stats.ttft_s = time.perf_counter() - start
-        decoder = OffloadDecoder(self.ops, cache, len(tokens), offload, cache.k.shape[2]) if offload else None
+        decoder, step = None, partial(decode_one, self.ops, cache)
+        if offload:   # the two tiers hold the KV from here on
+            decoder = OffloadDecoder(self.ops, cache, len(tokens), offload, cache.k.shape[2])
+            step = decoder.step
+        del cache
         try:
-            yield from self._decode(stream, decoder.step if decoder else partial(decode_one, self.ops, cache),
-                                    len(tokens), next_id, generator, gen, stats, start,
+            yield from self._decode(stream, step, len(tokens), next_id, generator, gen, stats, start,
                                     first_logits if return_first_logits else None)
             if decoder:
                 stats.offload = decoder.stats()

@@ -56,12 +56,16 @@ def _overlap(a: torch.Tensor, b: torch.Tensor, size: int) -> float:
 
 
 class OffloadDecoder:
-    """Decodes over a prefilled cache moved into two tiers: ``step(token, position)`` → next-token logits."""
+    """Decodes over a prefilled cache moved into two tiers: ``step(token, position)`` → next-token logits.
+
+    ``cache`` holds ``length`` prefilled tokens and room for ``capacity``; its rows past ``length`` are the
+    decoder's from now on."""
 
     def __init__(self, ops: LayerOps, cache: KVCache, length: int, cfg: OffloadConfig, capacity: int):
         self.ops, self.cfg = ops, cfg
-        self.tiers = [LayerTiers(cache.k[i, :, :length], cache.v[i, :, :length], cfg, capacity)
-                      for i in range(ops.num_layers)]
+        # on CPU the prefilled cache itself becomes the host tier (RAM either way); elsewhere it is copied
+        # out and the caller can drop it
+        self.tiers = [LayerTiers(cache.k[i], cache.v[i], cfg, capacity, length) for i in range(ops.num_layers)]
         self.length = length
         self.spec: int | None = None          # the next step's speculative token (the last step's second row)
         self._guess: int | None = None        # the speculative token of the last step, to score against T_t

@@ -17,8 +17,14 @@ from .kivi import dequantize, pack, quantize, unpack
 
 
 class LayerTiers:
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, cfg: OffloadConfig, capacity: int):
-        """k, v: [kv_heads, n, head_dim], the prefilled cache; room for ``capacity`` tokens in all."""
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, cfg: OffloadConfig, capacity: int, length: int | None = None):
+        """k, v: [kv_heads, n, head_dim], the prefilled cache; room for ``capacity`` tokens in all. With
+        ``length``, k and v are buffers of at least ``capacity`` rows of which the first ``length`` are
+        filled: on CPU they become the host tier as they are (no copy)."""
+        if length is not None:
+            if k.shape[1] < capacity:
+                raise ValueError(f"buffers of {k.shape[1]} rows cannot hold capacity {capacity}")
+            buffers, k, v = (k, v), k[:, :length], v[:, :length]
         kvh, n, d = k.shape
         per_byte = 8 // cfg.bits
         self.vgroup = min(cfg.group, d)       # a head narrower than a group is one value group
@@ -28,9 +34,13 @@ class LayerTiers:
             raise ValueError(f"capacity {capacity} < {n} prefilled tokens")
         self.cfg, self.dtype, self.device = cfg, k.dtype, k.device
         self.kvh, self.d = kvh, d
-        pin = k.device.type == "cuda"
-        self.host_k = torch.empty((kvh, capacity, d), dtype=k.dtype, pin_memory=pin)
-        self.host_v = torch.empty((kvh, capacity, d), dtype=k.dtype, pin_memory=pin)
+        if length is not None and k.device.type == "cpu":
+            self.host_k, self.host_v = buffers
+        else:
+            pin = k.device.type == "cuda"
+            self.host_k = torch.empty((kvh, capacity, d), dtype=k.dtype, pin_memory=pin)
+            self.host_v = torch.empty((kvh, capacity, d), dtype=k.dtype, pin_memory=pin)
+            self.host_k[:, :n], self.host_v[:, :n] = k.to("cpu"), v.to("cpu")
         alloc = dict(dtype=k.dtype, device=k.device)
         self.kc = torch.empty((kvh, capacity, d // per_byte), dtype=torch.uint8, device=k.device)
         self.vc = torch.empty_like(self.kc)
@@ -66,7 +76,6 @@ class LayerTiers:
 
     def _prefill(self, k: torch.Tensor, v: torch.Tensor) -> None:
         n, r = k.shape[1], self.cfg.residual
-        self.host_k[:, :n], self.host_v[:, :n] = k.to("cpu"), v.to("cpu")
         self.nk, self.nv, self.n = n // r * r, max(0, n - r), n
         if self.nk:
             self._quantize_keys(k[:, :self.nk], 0)
