@@ -55,6 +55,7 @@ class LayerTiers:
         self.fetched = torch.empty((kvh, 0), dtype=torch.long, device=k.device)
         self.fetched_bytes = 0
         self._pending: Future | None = None
+        self._stream = self._copied = None    # CUDA: the side stream of the copies, and the last one's event
         self.n = self.nk = self.nv = 0        # tokens held; of which keys, values at low precision
         self._prefill(k, v)
 
@@ -135,10 +136,31 @@ class LayerTiers:
         """Copy the host rows ``idx`` [kvh, j] (j ≤ topk) into the fetch buffer, counting the bytes."""
         j = idx.shape[1]
         rows = idx.to("cpu")[..., None].expand(-1, -1, self.d)
-        self.fk[:, :j].copy_(self.host_k.gather(1, rows), non_blocking=True)
-        self.fv[:, :j].copy_(self.host_v.gather(1, rows), non_blocking=True)
+        if self.device.type == "cuda":
+            self._fetch_cuda(rows, j)
+        else:
+            self.fk[:, :j].copy_(self.host_k.gather(1, rows))
+            self.fv[:, :j].copy_(self.host_v.gather(1, rows))
         self.fetched = idx
         self.fetched_bytes += 2 * idx.numel() * self.d * self.host_k.element_size()
+
+    def _fetch_cuda(self, rows: torch.Tensor, j: int) -> None:
+        """Gather into pinned staging buffers, then copy on a side stream that the next read waits for.
+        (Not run on this project's CPU machines: no GPU was lent to test it.)"""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+            self._stage_k = torch.empty(self.fk.shape, dtype=self.dtype, pin_memory=True)
+            self._stage_v = torch.empty(self.fk.shape, dtype=self.dtype, pin_memory=True)
+        elif self._copied is not None:
+            self._copied.synchronize()        # the last copy out of the staging buffers is done
+        torch.gather(self.host_k, 1, rows, out=self._stage_k[:, :j])
+        torch.gather(self.host_v, 1, rows, out=self._stage_v[:, :j])
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))   # the last step read fk
+        with torch.cuda.stream(self._stream):
+            self.fk[:, :j].copy_(self._stage_k[:, :j], non_blocking=True)
+            self.fv[:, :j].copy_(self._stage_v[:, :j], non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record(self._stream)
 
     def fetch_async(self, idx: torch.Tensor, pool) -> None:
         self.wait()
@@ -148,6 +170,8 @@ class LayerTiers:
         if self._pending is not None:
             self._pending.result()
             self._pending = None
+        if self._copied is not None:          # CUDA: the compute stream waits for the copy, the host does not
+            torch.cuda.current_stream(self.device).wait_event(self._copied)
 
     # ---- bytes ---------------------------------------------------------------------------------
     def resident_bytes(self) -> int:
