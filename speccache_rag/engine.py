@@ -1,7 +1,9 @@
 """SpecCacheEngine: precompute chunk KV once, then answer RAG prompts by blending it."""
 from __future__ import annotations
 
+import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 
@@ -29,7 +31,7 @@ class SpecCacheEngine(StreamingEngine):
     """
 
     def __init__(self, target, tokenizer, store: KVStore | str = "memory://", draft=None, draft_tokenizer=None,
-                 sink: str = "bos", fill_misses: bool = True, name: str | None = None):
+                 sink: str = "bos", fill_misses: bool = True, name: str | None = None, gate: bool = True):
         if sink not in SINK_POLICIES:
             raise ValueError(f"sink must be one of {', '.join(SINK_POLICIES)}, got {sink!r}")
         self.target, self.tokenizer, self.ops = target, tokenizer, HFLayers(target)
@@ -46,6 +48,9 @@ class SpecCacheEngine(StreamingEngine):
                                draft=lambda: (self.draft_ops, self.draft_tokenizer),
                                hidden_states=self.hidden_states, selector=self.selector)
         self._eos_ids = self._eos_token_ids()
+        self.gate = gate
+        self._gate_failed: list[str] | None = None      # None: not yet known for this fingerprint
+        self._gate_lock = threading.Lock()
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, store: KVStore | str = "./.speccache/kv",
@@ -109,7 +114,7 @@ class SpecCacheEngine(StreamingEngine):
         start = time.perf_counter()
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         gen = GenerationConfig(max_new_tokens, temperature, top_p, stop, seed)
-        reuse = reuse or ReuseConfig()
+        reuse = self._gated(reuse or ReuseConfig())
         offload = OffloadConfig.parse(offload)
         if not isinstance(prompt, RAGPrompt):
             raise TypeError(f"prompt must be a RAGPrompt, got {type(prompt).__name__}")
@@ -180,6 +185,26 @@ class SpecCacheEngine(StreamingEngine):
         stats.generated_tokens = len(out_ids)
         stats.total_s = time.perf_counter() - start
         stream.output = GenerationOutput(buffer.text, out_ids, stats, finish, first_logits)
+
+    def _gated(self, reuse: ReuseConfig) -> ReuseConfig:
+        """``reuse``, or full prefill if this model failed the correctness gate (``gate.py``)."""
+        if not self.gate or reuse.method == "full":
+            return reuse
+        with self._gate_lock:
+            if self._gate_failed is None:
+                from . import gate
+
+                name = gate.meta_name(self.fingerprint)
+                known = self.store.get_meta(name)
+                if known is None or not isinstance(known.get("failed"), list):
+                    known = {"failed": gate.failing_methods(self.blender, self.tokenizer), "model": self.name}
+                    self.store.put_meta(name, known)
+                self._gate_failed = [str(m) for m in known["failed"]]
+                if self._gate_failed:
+                    warnings.warn(f"{self.name}: methods {', '.join(self._gate_failed)} do not reproduce full "
+                                  "prefill at recompute_ratio=1 on the built-in check; serving full prefill only",
+                                  stacklevel=3)
+        return ReuseConfig(method="full") if self._gate_failed else reuse
 
     def selector(self, method: str):
         """The blend that ``method`` names (``selection.SELECTORS``)."""

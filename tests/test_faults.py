@@ -324,3 +324,48 @@ def test_store_gc_stats_and_export(tmp_path, request, kind, capsys):
         assert cli(["store", "gc", "--store", str(dst), "--max-bytes", "0"]) == 0
         assert DiskStore(dst).keys() == []
         assert cli(["store", "export", "--store", str(dst)]) == 2
+
+
+# ---- the correctness gate ------------------------------------------------------------------------
+def test_the_gate_passes_on_a_real_model_and_is_remembered_in_the_store(smollm2, tmp_path, monkeypatch):
+    from speccache_rag import gate
+
+    store = DiskStore(tmp_path / "kv")
+    engine = SpecCacheEngine(*smollm2, store=store)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                              # no "serving full prefill only"
+        out = engine.generate(RAGPrompt(chunks=CHUNKS, question=QUESTION), max_new_tokens=2)
+    assert out.stats.method == "qattn"
+    assert store.get_meta(gate.meta_name(engine.fingerprint))["failed"] == []
+    # the prompt's chunks (misses, stored), and none of the gate's own: it checks in a private store
+    assert sorted(store.keys()) == sorted(chunk_key(engine.fingerprint, _ids(engine, c)) for c in CHUNKS)
+
+    def must_not_run(*a, **k):
+        raise AssertionError("the gate ran again for a fingerprint the store remembers")
+
+    monkeypatch.setattr(gate, "failing_methods", must_not_run)
+    replica = SpecCacheEngine(*smollm2, store=DiskStore(tmp_path / "kv"))
+    assert replica.generate(RAGPrompt(chunks=CHUNKS, question=QUESTION), max_new_tokens=1).stats.method == "qattn"
+
+
+def test_a_method_that_fails_the_gate_makes_the_engine_serve_full_prefill_only(smollm2, monkeypatch):
+    from speccache_rag import gate
+    from speccache_rag.selection import SELECTORS
+
+    real = SELECTORS["epic"]
+
+    def broken(ops, cache, sel, always):                            # a subtly wrong implementation
+        logits, recomputed = real(ops, cache, sel, always)
+        return logits + 0.5 * torch.randn_like(logits), recomputed
+
+    monkeypatch.setitem(SELECTORS, "epic", broken)
+    engine = SpecCacheEngine(*smollm2, store="memory://")
+    assert gate.failing_methods(engine.blender, engine.tokenizer) == ["epic"]
+    prompt = RAGPrompt(chunks=CHUNKS, question=QUESTION)
+    full = engine.generate(prompt, max_new_tokens=6, reuse=ReuseConfig(method="full"))
+    with pytest.warns(UserWarning, match="epic do not reproduce full prefill.*serving full prefill only"):
+        out = engine.generate(prompt, max_new_tokens=6, reuse=ReuseConfig(method="qattn"))
+    assert out.stats.method == "full" and out.stats.reused_tokens == 0 and out.token_ids == full.token_ids
+    assert engine.store.get_meta(gate.meta_name(engine.fingerprint))["failed"] == ["epic"]
+    assert SpecCacheEngine(*smollm2, store="memory://", gate=False).generate(
+        prompt, max_new_tokens=1).stats.method == "qattn"

@@ -92,6 +92,7 @@ class BenchEngine(SpecCacheEngine):
     prefill serves every r), and the method variant to run."""
 
     def __init__(self, *args, **kwargs):
+        kwargs.setdefault("gate", False)           # the bench measures each method as asked, and times it
         super().__init__(*args, **kwargs)
         self.variant: str | None = None            # "static" | "deviation" | None
         self.fraction = ReuseConfig().draft_layers

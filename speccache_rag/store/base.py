@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from ..kv import ChunkKV
+import json
+
+from ..kv import ChunkKV, check_key
 
 
 class KVStore(ABC):
@@ -29,6 +31,17 @@ class KVStore(ABC):
         """The entry's stored bytes as they are, unchecked and never deleted (operator commands)."""
         chunk = self.get(key)
         return chunk.to_bytes() if chunk is not None else None
+
+    def get_meta(self, name: str) -> dict | None:
+        """A small JSON record kept beside the entries, never listed by ``keys()`` (e.g. the gate's result).
+        This default lives as long as the store object; the disk and Redis stores persist it."""
+        value = getattr(self, "_meta", {}).get(check_key(name))
+        return json.loads(value) if value is not None else None
+
+    def put_meta(self, name: str, value: dict) -> None:
+        if not hasattr(self, "_meta"):
+            self._meta: dict[str, str] = {}
+        self._meta[check_key(name)] = json.dumps(value)
 
     def close(self) -> None:
         pass

@@ -1,6 +1,7 @@
 """Directory KV store: one safetensors file per chunk, shared safely by several processes."""
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import threading
@@ -13,6 +14,7 @@ from ..kv import ChunkKV, CorruptEntry, check_key
 from .base import KVStore
 
 _SUFFIX = ".safetensors"
+_META_DIR = "meta"          # JSON records beside the entries (no entry shard has a 4-letter name)
 _TMP_SUFFIX = ".tmp"
 # A writer that crashed leaves its temp file behind; one this old is certainly abandoned.
 _STALE_TMP_S = 3600.0
@@ -91,6 +93,20 @@ class DiskStore(KVStore):
             return self.path(key).read_bytes()
         except FileNotFoundError:
             return None
+
+    def get_meta(self, name: str) -> dict | None:
+        try:
+            return json.loads((self.root / _META_DIR / f"{check_key(name)}.json").read_text(encoding="utf-8"))
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def put_meta(self, name: str, value: dict) -> None:
+        path = self.root / _META_DIR / f"{check_key(name)}.json"
+        path.parent.mkdir(exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=_TMP_SUFFIX)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(value, f)
+        os.replace(tmp, path)
 
     def contains(self, key: str) -> bool:
         return self.path(key).is_file()

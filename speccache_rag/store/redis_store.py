@@ -5,6 +5,7 @@ this store degrades to an always-miss store (full prefill) instead of raising in
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 import warnings
@@ -14,6 +15,7 @@ from ..kv import ChunkKV, CorruptEntry, check_key
 from .base import KVStore
 
 PREFIX = "speccache:kv:"
+META_PREFIX = "speccache:meta:"
 T = TypeVar("T")
 
 
@@ -86,6 +88,16 @@ class RedisStore(KVStore):
     def idle_seconds(self, key: str) -> int:
         """Seconds since the entry was last read or written (Redis's own LRU clock)."""
         return int(self._call(lambda: self._client.object("idletime", PREFIX + check_key(key)), 0) or 0)
+
+    def get_meta(self, name: str) -> dict | None:
+        value = self._call(lambda: self._client.get(META_PREFIX + check_key(name)), None)
+        try:
+            return json.loads(value) if value is not None else None
+        except ValueError:
+            return None
+
+    def put_meta(self, name: str, value: dict) -> None:
+        self._call(lambda: self._client.set(META_PREFIX + check_key(name), json.dumps(value)), None)
 
     def contains(self, key: str) -> bool:
         return bool(self._call(lambda: self._client.exists(PREFIX + check_key(key)), 0))

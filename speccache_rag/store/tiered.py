@@ -48,6 +48,13 @@ class TieredStore(KVStore):
     def keys(self) -> list[str]:
         return list(dict.fromkeys(k for tier in reversed(self.tiers) for k in tier.keys()))
 
+    def get_meta(self, name: str) -> dict | None:
+        return next((v for t in self.tiers if (v := t.get_meta(name)) is not None), None)
+
+    def put_meta(self, name: str, value: dict) -> None:
+        for tier in self.tiers:
+            tier.put_meta(name, value)
+
     def tier_stats(self) -> list[dict]:
         with self._lock:
             return [{"tier": type(t).__name__, "hits": h, "misses": m}
