@@ -18,7 +18,6 @@ asyncio a worker thread whose pieces reach the event loop one by one.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import weakref
 from collections import deque
@@ -105,11 +104,7 @@ class ChunkTextIndex:
     def sync(self, store) -> int:
         """Learn the texts of store entries added since the last sync (by any process); → how many."""
         new = [k for k in store.keys() if k not in self._synced]
-        texts = []
-        for key in new:
-            text = stored_text(store, key)
-            if text:
-                texts.append(text)
+        texts = [t for t in store.texts(new).values() if t]
         self.add(texts, new)
         return len(texts)
 
@@ -155,22 +150,6 @@ def _whole_words(text: str, start: int, end: int) -> bool:
     before = start > 0 and text[start - 1].isalnum() and text[start].isalnum()
     after = end < len(text) and text[end].isalnum() and text[end - 1].isalnum()
     return not (before or after)
-
-
-def stored_text(store, key: str) -> str | None:
-    """The chunk text stored with ``key`` (``meta["text"]``), reading only the header where possible."""
-    from .store import DiskStore
-
-    if isinstance(store, DiskStore):
-        try:
-            with open(store.path(key), "rb") as f:
-                size = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(size))
-            return json.loads(header["__metadata__"]["json"]).get("text")
-        except (OSError, ValueError, KeyError):     # vanished, torn or foreign: not a known chunk
-            return None
-    entry = store.get(key)
-    return entry.meta.get("text") if entry is not None else None
 
 
 def split_chunks(content: str, index: ChunkTextIndex, hints: Iterable[str] = (),

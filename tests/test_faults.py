@@ -265,11 +265,21 @@ def test_nothing_in_any_backend_is_unpickled(smollm2, tmp_path, request, monkeyp
 
 
 def test_two_replicas_share_one_redis(smollm2, redis_url):
+    from speccache_rag.matching import prompt_from_text
+
     a = SpecCacheEngine(*smollm2, store=_redis(redis_url))
     b = SpecCacheEngine(*smollm2, store=open_store(redis_url))
-    a.precompute(CHUNKS)
+    keys = a.precompute(CHUNKS)
     out = b.generate(RAGPrompt(chunks=CHUNKS, question=QUESTION), max_new_tokens=2)
     assert out.stats.cache_hits == 3 and out.stats.reused_tokens > 0
+    # the shared text index: b finds a's chunks inside a framework's prompt text, reading no entry whole
+    assert b.store.texts(keys) == dict(zip(keys, CHUNKS))
+    b.store.get = lambda key: pytest.fail("texts came from reading whole entries")
+    found = prompt_from_text(b, f"Context:\n{CHUNKS[1]}\n\n{CHUNKS[0]}\n\nQuestion: {QUESTION}")
+    assert found.chunks == [CHUNKS[1], CHUNKS[0]]
+    del b.store.get
+    a.store.delete(keys[0])                                         # entry and text go together
+    assert keys[0] not in b.store.texts(keys) and b.store.get(keys[0]) is None
 
 
 def test_tiered_store_fills_faster_tiers_and_counts_per_tier(tmp_path, redis_url):

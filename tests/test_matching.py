@@ -7,7 +7,7 @@ import pytest
 
 from speccache_rag import ReuseConfig, SpecCacheEngine
 from speccache_rag.matching import (ANCHOR_CHARS, ChatPrompt, ChunkTextIndex, astream_text, chunk_index, match_prompt,
-                                    precompute_texts, prompt_from_text, stored_text, stream_text)
+                                    precompute_texts, prompt_from_text, stream_text)
 from tiny_models import tiny_random_model
 from speccache_rag.prompt import render, tokenize_piece
 from speccache_rag.store import DiskStore
@@ -88,7 +88,7 @@ def test_index_learns_stored_texts_from_other_writers(tiny, tmp_path):
     model, tok = tiny
     writer = SpecCacheEngine(model, tok, store=DiskStore(tmp_path))
     key = writer.precompute([LIBRARY])[0]
-    assert stored_text(writer.store, key) == LIBRARY                     # header only, for DiskStore
+    assert writer.store.texts([key]) == {key: LIBRARY}                   # header only, for DiskStore
     reader = SpecCacheEngine(model, tok, store=DiskStore(tmp_path))
     prompt = prompt_from_text(reader, f"Context:\n{LIBRARY}\n\nQuestion: When does it open?")
     assert prompt.chunks == [LIBRARY] and LIBRARY in chunk_index(reader)

@@ -32,6 +32,16 @@ class KVStore(ABC):
         chunk = self.get(key)
         return chunk.to_bytes() if chunk is not None else None
 
+    def texts(self, keys: list[str]) -> dict[str, str]:
+        """The chunk texts stored with ``keys`` (``meta["text"]``), as cheaply as the backend allows:
+        what lets any replica find chunks another one stored inside a prompt."""
+        out = {}
+        for key in keys:
+            chunk = self.get(key)
+            if chunk is not None and isinstance(chunk.meta.get("text"), str):
+                out[key] = chunk.meta["text"]
+        return out
+
     def get_meta(self, name: str) -> dict | None:
         """A small JSON record kept beside the entries, never listed by ``keys()`` (e.g. the gate's result).
         This default lives as long as the store object; the disk and Redis stores persist it."""

@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 
 from ..config import StoreConfig
-from ..kv import ChunkKV, CorruptEntry, check_key
+from ..kv import MAX_HEADER_BYTES, ChunkKV, CorruptEntry, check_key
 from .base import KVStore
 
 _SUFFIX = ".safetensors"
@@ -93,6 +93,21 @@ class DiskStore(KVStore):
             return self.path(key).read_bytes()
         except FileNotFoundError:
             return None
+
+    def texts(self, keys: list[str]) -> dict[str, str]:
+        out = {}
+        for key in keys:                      # the header only: no tensors read
+            try:
+                with open(self.path(key), "rb") as f:
+                    size = int.from_bytes(f.read(8), "little")
+                    if not 0 < size <= 2 * MAX_HEADER_BYTES:
+                        continue
+                    text = json.loads(json.loads(f.read(size))["__metadata__"]["json"]).get("text")
+            except (OSError, ValueError, KeyError, TypeError):   # vanished, torn or foreign: not a known chunk
+                continue
+            if isinstance(text, str):
+                out[key] = text
+        return out
 
     def get_meta(self, name: str) -> dict | None:
         try:

@@ -16,6 +16,7 @@ from .base import KVStore
 
 PREFIX = "speccache:kv:"
 META_PREFIX = "speccache:meta:"
+TEXTS = "speccache:texts"           # key → chunk text, for every replica's prompt matching
 T = TypeVar("T")
 
 
@@ -79,8 +80,15 @@ class RedisStore(KVStore):
 
     def put(self, chunk: ChunkKV) -> None:
         blob = chunk.to_bytes()
-        # One SET: Redis never shows a value half-written.
-        self._call(lambda: self._client.set(PREFIX + chunk.key, blob, ex=self.ttl), None)
+        text = chunk.meta.get("text")
+
+        def write():   # one transaction: the entry and its text appear together, never half-written
+            pipe = self._client.pipeline(transaction=True)
+            pipe.set(PREFIX + chunk.key, blob, ex=self.ttl)
+            if isinstance(text, str):
+                pipe.hset(TEXTS, chunk.key, text)
+            pipe.execute()
+        self._call(write, None)
 
     def raw(self, key: str) -> bytes | None:
         return self._call(lambda: self._client.get(PREFIX + check_key(key)), None)
@@ -88,6 +96,15 @@ class RedisStore(KVStore):
     def idle_seconds(self, key: str) -> int:
         """Seconds since the entry was last read or written (Redis's own LRU clock)."""
         return int(self._call(lambda: self._client.object("idletime", PREFIX + check_key(key)), 0) or 0)
+
+    def texts(self, keys: list[str]) -> dict[str, str]:
+        """From the shared text index; entries written without it (or expired by TTL) are read whole."""
+        keys = [check_key(k) for k in keys]
+        values = self._call(lambda: self._client.hmget(TEXTS, keys), None) if keys else []
+        if values is None:
+            return {}
+        out = {k: v.decode("utf-8") for k, v in zip(keys, values) if v is not None}
+        return {**out, **super().texts([k for k in keys if k not in out])}
 
     def get_meta(self, name: str) -> dict | None:
         value = self._call(lambda: self._client.get(META_PREFIX + check_key(name)), None)
@@ -103,7 +120,12 @@ class RedisStore(KVStore):
         return bool(self._call(lambda: self._client.exists(PREFIX + check_key(key)), 0))
 
     def delete(self, key: str) -> None:
-        self._call(lambda: self._client.delete(PREFIX + check_key(key)), 0)
+        def drop():
+            pipe = self._client.pipeline(transaction=True)
+            pipe.delete(PREFIX + check_key(key))
+            pipe.hdel(TEXTS, key)
+            pipe.execute()
+        self._call(drop, None)
 
     def keys(self) -> list[str]:
         def scan() -> list[str]:

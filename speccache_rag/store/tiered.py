@@ -48,6 +48,12 @@ class TieredStore(KVStore):
     def keys(self) -> list[str]:
         return list(dict.fromkeys(k for tier in reversed(self.tiers) for k in tier.keys()))
 
+    def texts(self, keys: list[str]) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for tier in self.tiers:
+            out.update(tier.texts([k for k in keys if k not in out]))
+        return out
+
     def get_meta(self, name: str) -> dict | None:
         return next((v for t in self.tiers if (v := t.get_meta(name)) is not None), None)
 
