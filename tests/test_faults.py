@@ -298,12 +298,15 @@ def test_tiered_store_fills_faster_tiers_and_counts_per_tier(tmp_path, redis_url
 
 
 def test_redis_ttl_expires_entries(redis_url):
+    _redis(redis_url).close()                                       # an empty database
     store = open_store(redis_url + "?ttl=1")
     assert store.ttl == 1
     store.put(ChunkKV("ttl0", [1], torch.zeros(1, 1, 1, 2), torch.ones(1, 1, 1, 2)))
-    assert store.contains("ttl0")
+    store.put(ChunkKV("ttl1", [1], torch.zeros(1, 1, 1, 2), torch.ones(1, 1, 1, 2), {"text": "kept for a second"}))
+    assert store.contains("ttl0") and store.texts(["ttl1"]) == {"ttl1": "kept for a second"}
     time.sleep(2.1)
-    assert not store.contains("ttl0")
+    assert not store.contains("ttl0") and store.keys() == []
+    assert store.prune_texts() == 1 and store.texts(["ttl1"]) == {}
     with pytest.raises(ValueError, match="ttl"):
         open_store(redis_url + "?ttl=0")
 

@@ -106,6 +106,8 @@ def gc(store: KVStore, max_bytes: int) -> int:
             break
         store.delete(key)
         freed += sizes[key]
+    if hasattr(store, "prune_texts"):                          # Redis: texts of entries that expired
+        store.prune_texts()
     return freed
 
 

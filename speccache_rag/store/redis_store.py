@@ -98,13 +98,21 @@ class RedisStore(KVStore):
         return int(self._call(lambda: self._client.object("idletime", PREFIX + check_key(key)), 0) or 0)
 
     def texts(self, keys: list[str]) -> dict[str, str]:
-        """From the shared text index; entries written without it (or expired by TTL) are read whole."""
+        """From the shared text index; entries written before it existed are read whole."""
         keys = [check_key(k) for k in keys]
         values = self._call(lambda: self._client.hmget(TEXTS, keys), None) if keys else []
         if values is None:
             return {}
         out = {k: v.decode("utf-8") for k, v in zip(keys, values) if v is not None}
         return {**out, **super().texts([k for k in keys if k not in out])}
+
+    def prune_texts(self) -> int:
+        """Drop index texts whose entry is gone (expired by TTL or evicted by Redis); → how many."""
+        live = set(self.keys())
+        stale = [k.decode() for k in self._call(lambda: self._client.hkeys(TEXTS), []) if k.decode() not in live]
+        if stale:
+            self._call(lambda: self._client.hdel(TEXTS, *stale), 0)
+        return len(stale)
 
     def get_meta(self, name: str) -> dict | None:
         value = self._call(lambda: self._client.get(META_PREFIX + check_key(name)), None)
