@@ -117,10 +117,11 @@ def run_from_args(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     if args.suite == "offload":
-        from .offload import run_offload_suite
+        from .offload import rewrite_offload_report, run_offload_suite
 
-        path = run_offload_suite(offload_suite_from_args(args), out, resume=args.resume,
-                                 progress=not args.no_progress, command=getattr(args, "command", None))
+        path = rewrite_offload_report(out) if args.report_only else run_offload_suite(
+            offload_suite_from_args(args), out, resume=args.resume, progress=not args.no_progress,
+            command=getattr(args, "command", None))
         print(f"report: {path}")
         return 0
     if args.suite == "ttft":

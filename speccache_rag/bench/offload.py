@@ -123,6 +123,17 @@ def run_example(ops: HFLayers, tokenizer, stops: set[int], suite: OffloadSuite, 
     return rows
 
 
+def _read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def rewrite_offload_report(out: str | Path) -> Path:
+    """The report of a results directory as it stands (``--report-only``)."""
+    out = Path(out)
+    env = json.loads((out / SUITE_FILE).read_text()).get("environment", {}) if (out / SUITE_FILE).exists() else {}
+    return write_offload_report(out, _read_rows(out / RESULTS), env)
+
+
 def run_offload_suite(suite: OffloadSuite, out: str | Path, resume: bool = False, progress: bool = True,
                       command: str | None = None, loader=None) -> Path:
     from tqdm.auto import tqdm
@@ -134,7 +145,7 @@ def run_offload_suite(suite: OffloadSuite, out: str | Path, resume: bool = False
     env = environment(command)
     (out / SUITE_FILE).write_text(json.dumps({"suite": asdict(suite), "environment": env}, indent=2))
     path = out / RESULTS
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if resume and path.exists() else []
+    rows = _read_rows(path) if resume else []
     done = {(r["target"], r["context"], r["example"]) for r in rows if r["config"] == "full"}
     if loader is None:
         from ..models import load as loader
@@ -228,7 +239,8 @@ def write_offload_report(out: Path, rows: list[dict], env: dict) -> Path:
     for target, context in dict.fromkeys((k[0], k[1]) for k in summary):
         configs = [k[2] for k in summary if k[:2] == (target, context)]
         s0 = summary[(target, context, "full")]
-        lines += [f"## {target}, ~{s0['tokens']:.0f} prompt tokens ({s0['n']} prompts)", "",
+        plural = "s" if s0["n"] != 1 else ""
+        lines += [f"## {target}, ~{s0['tokens']:.0f} prompt tokens ({s0['n']} prompt{plural})", "",
                   "| config | accuracy | % of full | KL | top-1 | resident | resident 16-bit | hits | oracle hits "
                   "| spec | tok/s × full |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for c in configs:
