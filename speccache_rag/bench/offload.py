@@ -219,10 +219,10 @@ def goal_lines(summary: dict[tuple, dict]) -> list[str]:
         if config.endswith("-k64-nonspec"):
             spec = summary.get((target, context, config.removesuffix("-nonspec")))
             if spec and spec["hit"] is not None and s["hit"] is not None:
-                gap = 100 * (s["hit"] - spec["hit"])
+                ahead = 100 * (spec["hit"] - s["hit"])
                 lines.append(f"- {target} @{context}, {config.split('-')[0]}: speculative prefetch hits "
                              f"{100 * spec['hit']:.1f} % vs non-speculative {100 * s['hit']:.1f} % "
-                             f"(gap {gap:+.1f} points; goal within 5: {'met' if gap <= 5 else 'not met'})")
+                             f"({ahead:+.1f} points; goal at most 5 below: {'met' if ahead >= -5 else 'not met'})")
     return lines
 
 
@@ -266,17 +266,22 @@ def _plot(out: Path, summary: dict[tuple, dict]) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, kl_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     for target, context in dict.fromkeys((k[0], k[1]) for k in summary):
-        pts = [(s["resident16"], 100 * (s["of_full"] or 0), c) for (t, x, c), s in summary.items()
-               if (t, x) == (target, context) and c != "full"]
-        pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", label=f"{target} @{context}")
-        for x, y, c in pts:
-            ax.annotate(c.replace("bit", "b"), (x, y), fontsize=6, xytext=(2, 2), textcoords="offset points")
+        pts = sorted((s["resident16"], 100 * (s["of_full"] or 0), s["kl"], c) for (t, x, c), s in summary.items()
+                     if (t, x) == (target, context) and c != "full")
+        label = f"{target} @{context}"
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", label=label)
+        line, = kl_ax.plot([p[0] for p in pts], [max(p[2], 1e-4) for p in pts], "o", label=label)
+        for x, _, kl, c in pts:
+            kl_ax.annotate(c.replace("bit", "b"), (x, max(kl, 1e-4)), fontsize=5, xytext=(2, 2),
+                           textcoords="offset points", color=line.get_color())
     ax.axhline(100, color="grey", lw=0.8)
     ax.set_xlabel("resident KV / full KV (16-bit elements)")
     ax.set_ylabel("accuracy, % of full-KV decode")
+    kl_ax.set_yscale("log")
+    kl_ax.set_xlabel("resident KV / full KV (16-bit elements)")
+    kl_ax.set_ylabel("teacher-forced KL to full-KV decode (mean per step)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "offload_accuracy_vs_resident.png", dpi=120)
