@@ -1,9 +1,9 @@
 """The SpeCache decode loop over two-tier KV (arXiv 2503.16163; method and checks: docs/offload.md).
 
 Each step runs two tokens through the one layer loop: the token just decoded, T_t, and a speculative
-guess of the next, T′_{t+1} (the last step's second row). Attention is dense over the whole cache — the low-bit copy, with last
-step's fetched rows at full precision — and the output row cannot see the speculative one (causal by
-position). The speculative row's attention, averaged over the query heads of each KV group, names the
+guess of the next, T′_{t+1} (the last step's second row). Attention is dense over the whole cache — the
+low-bit copy, with last step's fetched rows at full precision — and the output row cannot see the
+speculative one (causal by position). The speculative row's attention, averaged over the query heads of each KV group, names the
 top-k rows to fetch for the next step; only T_t's K/V is kept. The first output token, which has no
 guess yet, runs once alone over the low-bit cache (the pre-decode pass): its attention chooses the first
 fetch and its logits the first guess. ``speculative=False`` is the ablation: one token per step, the
@@ -53,6 +53,10 @@ def _overlap(a: torch.Tensor, b: torch.Tensor, size: int) -> float:
     seen = torch.zeros((a.shape[0], size), dtype=torch.bool)
     seen.scatter_(1, a.cpu(), True)
     return float(seen.gather(1, b.cpu()).float().mean()) if b.numel() else 0.0
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
 
 
 class OffloadDecoder:
@@ -139,12 +143,11 @@ class OffloadDecoder:
         resident = sum(t.resident_bytes() for t in self.tiers)
         full = sum(2 * t.kvh * t.n * t.d * t.host_k.element_size() for t in self.tiers)
         fetched = sum(t.fetched_bytes for t in self.tiers)
-        mean = lambda xs: sum(xs) / len(xs) if xs else None   # noqa: E731
         return OffloadStats(
             bits=self.cfg.bits, topk=self.cfg.topk, speculative=self.cfg.speculative, steps=self._steps,
             resident_bytes=resident, full_kv_bytes=full, resident_ratio=resident / max(1, full),
-            fetched_bytes_per_step=fetched / max(1, self._steps), prefetch_hit_rate=mean(self._hits),
-            oracle_hit_rate=mean(self._oracle_hits),
+            fetched_bytes_per_step=fetched / max(1, self._steps), prefetch_hit_rate=_mean(self._hits),
+            oracle_hit_rate=_mean(self._oracle_hits),
             spec_token_hit_rate=self._spec_hits / (self._steps - 1) if self.cfg.speculative and self._steps > 1 else None,
             decode_tokens_per_s=self._steps / self._decode_s if self._decode_s else 0.0)
 
