@@ -61,12 +61,9 @@ class ChunkKV:
 
     @classmethod
     def from_bytes(cls, blob: bytes, expect_key: str | None = None) -> "ChunkKV":
-        if len(blob) < 8 or not 0 < int.from_bytes(blob[:8], "little") <= min(len(blob) - 8, 2 * MAX_HEADER_BYTES):
-            raise CorruptEntry("KV entry header length is out of bounds")
+        meta = read_meta(blob)
         try:
             tensors = st_load(blob)
-            header = _read_header(blob)
-            meta = json.loads(header["__metadata__"]["json"])
             k, v = tensors["k"], tensors["v"]
         except Exception as e:  # safetensors/json raise assorted types on damaged input
             raise CorruptEntry(f"unreadable KV entry: {e}") from e
@@ -89,9 +86,23 @@ def _checksum(k: torch.Tensor, v: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def _read_header(blob: bytes) -> dict:
-    n = int.from_bytes(blob[:8], "little")
-    return json.loads(blob[8:8 + n])
+# The safetensors header holds tensor names, shapes and our JSON metadata (escaped, so up to ~2x its size).
+HEADER_LIMIT = 2 * MAX_HEADER_BYTES
+
+
+def read_meta(blob: bytes) -> dict:
+    """The JSON metadata of a stored entry, from its header alone: ``blob`` may stop right after the header
+    (8-byte length + header), so callers can read a file's head only. Bad bounds or JSON → CorruptEntry."""
+    n = int.from_bytes(blob[:8], "little") if len(blob) >= 8 else 0
+    if not 0 < n <= min(len(blob) - 8, HEADER_LIMIT):
+        raise CorruptEntry("KV entry header length is out of bounds")
+    try:
+        meta = json.loads(json.loads(blob[8:8 + n])["__metadata__"]["json"])
+    except Exception as e:  # json raises assorted types on damaged input
+        raise CorruptEntry(f"unreadable KV entry header: {e}") from e
+    if not isinstance(meta, dict):
+        raise CorruptEntry("KV entry metadata is not an object")
+    return meta
 
 
 def chunk_key(fingerprint: str, token_ids: list[int]) -> str:

@@ -1,24 +1,14 @@
 """What ``speccache-rag store stats | verify | gc | export`` do, on any store."""
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..kv import ChunkKV, CorruptEntry, chunk_key
+from ..kv import ChunkKV, CorruptEntry, chunk_key, read_meta
 from .base import KVStore
 from .disk import DiskStore
 from .memory import MemoryStore
 from .tiered import TieredStore
-
-
-def header(blob: bytes) -> dict | None:
-    """The JSON metadata of a stored entry, read from its header only (None when unreadable)."""
-    try:
-        n = int.from_bytes(blob[:8], "little")
-        return json.loads(json.loads(blob[8:8 + n])["__metadata__"]["json"])
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 def stats(store: KVStore) -> dict:
@@ -29,7 +19,10 @@ def stats(store: KVStore) -> dict:
         blob = store.raw(key)
         if blob is None:
             continue
-        meta = header(blob) or {}
+        try:
+            meta = read_meta(blob)
+        except CorruptEntry:
+            meta = {}
         fp = str(meta.get("fingerprint", "unknown"))
         slot = per.setdefault(fp, {"entries": 0, "bytes": 0})
         slot["entries"] += 1

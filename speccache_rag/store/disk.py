@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 
 from ..config import StoreConfig
-from ..kv import MAX_HEADER_BYTES, ChunkKV, CorruptEntry, check_key
+from ..kv import HEADER_LIMIT, ChunkKV, CorruptEntry, check_key, read_meta
 from .base import KVStore
 
 _SUFFIX = ".safetensors"
@@ -99,11 +99,9 @@ class DiskStore(KVStore):
         for key in keys:                      # the header only: no tensors read
             try:
                 with open(self.path(key), "rb") as f:
-                    size = int.from_bytes(f.read(8), "little")
-                    if not 0 < size <= 2 * MAX_HEADER_BYTES:
-                        continue
-                    text = json.loads(json.loads(f.read(size))["__metadata__"]["json"]).get("text")
-            except (OSError, ValueError, KeyError, TypeError):   # vanished, torn or foreign: not a known chunk
+                    head = f.read(8)
+                    text = read_meta(head + f.read(min(int.from_bytes(head, "little"), HEADER_LIMIT))).get("text")
+            except (OSError, CorruptEntry):   # vanished, torn or foreign: not a known chunk
                 continue
             if isinstance(text, str):
                 out[key] = text
