@@ -81,8 +81,8 @@ def _engine(args: argparse.Namespace, draft: str | None, store):
     return engine
 
 
-def _chunks(engine, paths: Sequence[str], chunk_tokens: int) -> list[Chunk]:
-    chunks = chunk_documents(load_documents(paths), chunk_tokens, token_counter(engine.tokenizer))
+def _chunks(tokenizer, paths: Sequence[str], chunk_tokens: int) -> list[Chunk]:
+    chunks = chunk_documents(load_documents(paths), chunk_tokens, token_counter(tokenizer))
     if not chunks:
         raise ValueError(f"no text found in {', '.join(map(str, paths))}")
     return chunks
@@ -154,7 +154,7 @@ def cmd_precompute(args: argparse.Namespace) -> int:
         return _ray_precompute(args)
     engine = _engine(args, None, args.store)
     try:
-        chunks = _chunks(engine, args.paths, args.chunk_tokens)
+        chunks = _chunks(engine.tokenizer, args.paths, args.chunk_tokens)
         texts = [c.text for c in chunks]
         t = time.perf_counter()
         new = _precompute(engine, texts)
@@ -170,9 +170,7 @@ def _ray_precompute(args: argparse.Namespace) -> int:
     from .models import load_tokenizer
     from .ray_precompute import ray_precompute
 
-    chunks = chunk_documents(load_documents(args.paths), args.chunk_tokens, token_counter(load_tokenizer(args.target)))
-    if not chunks:
-        raise ValueError(f"no text found in {', '.join(map(str, args.paths))}")
+    chunks = _chunks(load_tokenizer(args.target), args.paths, args.chunk_tokens)
     summary = ray_precompute([c.text for c in chunks], args.target, str(args.store), dtype=args.dtype,
                              actors=args.actors, address=args.address)
     print(f"{summary.line()} from {len({c.source for c in chunks})} documents; store: {args.store}")
@@ -190,7 +188,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     try:
         from .prompt import RAGPrompt
 
-        chunks = _chunks(engine, [args.docs], args.chunk_tokens)
+        chunks = _chunks(engine.tokenizer, [args.docs], args.chunk_tokens)
         picked = [chunks[i] for i in rank_chunks(args.question, [c.text for c in chunks], args.top_k)]
         if not picked:
             _err("note: no chunk shares a word with the question; answering without context")
@@ -276,7 +274,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         store = args.store or os.path.join(tmp, "kv")
         engine = _engine(args, args.draft if args.method in DRAFT_METHODS else None, store)
         try:
-            chunks = _chunks(engine, [demo_dir()], args.chunk_tokens)
+            chunks = _chunks(engine.tokenizer, [demo_dir()], args.chunk_tokens)
             print(f"Demo: {len(chunks)} chunks of up to {args.chunk_tokens} tokens from the invented town of "
                   f"Brennock Harbour ({demo_dir()})")
             new = _precompute(engine, [c.text for c in chunks])
