@@ -188,7 +188,7 @@ class SpecCacheEngine(StreamingEngine):
 
     def _gated(self, reuse: ReuseConfig) -> ReuseConfig:
         """``reuse``, or full prefill if this model failed the correctness gate (``gate.py``)."""
-        if not self.gate or reuse.method == "full":
+        if not self.gate or reuse.method == "full" or self._gate_failed == []:
             return reuse
         with self._gate_lock:
             if self._gate_failed is None:

@@ -9,6 +9,8 @@ fails, the engine warns and serves full prefill only.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .config import METHODS, ReuseConfig
@@ -33,12 +35,11 @@ def meta_name(fingerprint: str) -> str:
 
 def failing_methods(blender, tokenizer) -> list[str]:
     """The methods whose r = 1 first-token logits differ from full prefill's on the built-in prompt."""
-    from .blend import Blender
     from .kv import chunk_key
     from .store import MemoryStore
 
-    probe = Blender(blender.ops, MemoryStore(), blender.fingerprint, blender.sink_ids, draft=blender.draft,
-                    hidden_states=blender.hidden_states, selector=blender.selector)
+    probe = copy.copy(blender)                # the engine's blend pipeline, over a private store
+    probe.store = MemoryStore()
     for text in CHUNKS:
         ids, _ = tokenize_piece(tokenizer, text)
         probe.store.put(probe.chunk_kv(ids, chunk_key(blender.fingerprint, ids), text))
