@@ -91,10 +91,9 @@ def gc(store: KVStore, max_bytes: int) -> int:
         idle = getattr(store, "idle_seconds", lambda k: 0)
         # before any read: on Redis reading a value resets its idle clock
         keys = sorted(keys, key=idle, reverse=True)            # longest idle first
-    sizes = {k: len(b) for k in keys if (b := store.raw(k)) is not None}
-    order = list(sizes)
+    sizes = {k: len(b) for k in keys if (b := store.raw(k)) is not None}    # in eviction order
     total, freed = sum(sizes.values()), 0
-    for key in order:
+    for key in sizes:
         if total - freed <= max_bytes:
             break
         store.delete(key)
