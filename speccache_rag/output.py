@@ -75,6 +75,7 @@ class GenerationOutput:
     stats: GenerationStats
     finish_reason: str = "length"   # "stop" (EOS or stop string) or "length"
     first_logits: torch.Tensor | None = field(default=None, repr=False)
+    usage: dict | None = None       # remote engine: the server's own OpenAI usage block
 
 
 class GenerationStream(Iterator[str]):

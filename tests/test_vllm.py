@@ -11,10 +11,8 @@ import importlib.util
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from speccache_rag.kv import ChunkKV, chunk_key
 from speccache_rag.prompt import DEFAULT_SYSTEM, RAGPrompt, render, tokenize_piece
 from speccache_rag.store import DiskStore, MemoryStore
 from speccache_rag.vllm.lookup import StoredChunkIndex, peek_token_ids
+from vllm_server import child_env, vllm_serve
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 if os.environ.get("SPECCACHE_REQUIRE_VLLM") == "1" and not HAVE_VLLM:   # CI's vLLM run must not skip
@@ -119,18 +118,6 @@ def test_unsupported_configuration_is_named():
 
 
 # ---- subprocesses: vllm serve + official openai client; unsupported architecture ------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_ENABLE_V1")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", **extra)
-    return env
-
-
 def _unpin():
     os.sched_setaffinity(0, ALL_CPUS)
 
@@ -156,26 +143,11 @@ def test_vllm_serve_with_openai_client_reuses_chunks(kv_dir, tmp_path):
 
     path, torch_engine = kv_dir
     torch_engine.precompute(CHUNKS)                      # serve finds chunks by token content
-    port = _free_port()
     config = kv_transfer_config(str(path), draft=None, method="speccache", recompute_ratio=0.15)
     log = tmp_path / "serve.log"
-    # `vllm serve` (vllm-cpu's `vllm` script fails on its own version lookup: same CLI through our shim)
-    cmd = [sys.executable, "-m", "speccache_rag.vllm.serve", "serve", str(resolve("smollm2-135m")),
-           "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "2048", "--enforce-eager", "--kv-transfer-config", json.dumps(config)]
-    with open(log, "w") as out:
-        server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_child_env(), preexec_fn=_unpin)
-    try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=300, max_retries=0)
-        deadline = time.time() + 600
-        while True:
-            assert server.poll() is None, f"vllm serve exited:\n{log.read_text()[-4000:]}"
-            try:
-                client.models.list()
-                break
-            except Exception:
-                assert time.time() < deadline, f"vllm serve did not come up:\n{log.read_text()[-4000:]}"
-                time.sleep(2)
+    with vllm_serve(sys.executable, str(resolve("smollm2-135m")), config, log, preexec_fn=_unpin,
+                    extra_args=("--enable-prompt-tokens-details",)) as url:
+        client = OpenAI(base_url=url, api_key="none", timeout=300, max_retries=0)
         user = f"Context:\n{chr(10).join([CHUNKS[0], '', CHUNKS[1], '', CHUNKS[2]])}\n\nQuestion: {QUESTION}"
         messages = [{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": user}]
         reply = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0)
@@ -184,29 +156,27 @@ def test_vllm_serve_with_openai_client_reuses_chunks(kv_dir, tmp_path):
         again = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0,
                                                extra_body={"kv_transfer_params": {"speccache": {"method": "reuse"}}})
         assert again.choices[0].message.content is not None
-        metrics = __import__("urllib.request").request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
-        text = log.read_text()
-        lines = re.findall(r"SpecCache: req=\S+ method=(\w+) prompt=(\d+) reused=(\d+) recomputed=(\d+) .*?"
-                           r"hits=(\d+) misses=(\d+)", text)
-        relevant = "\n".join(l for l in text.splitlines() if re.search("SpecCache|ERROR|WARNING|Traceback", l))
-        assert [m[0] for m in lines] == ["speccache", "reuse"], relevant[-6000:]
-        for method, prompt, reused, recomputed, hits, misses in lines:
-            assert int(hits) == 3 and int(misses) == 0 and int(reused) > int(prompt) // 2
-        hits = re.search(rb"^vllm:external_prefix_cache_hits_total\{[^}]*\} (\S+)", metrics, re.M)
-        assert hits and float(hits.group(1)) >= 2 * (int(lines[0][1]) - 1), metrics[:2000]
-    finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        metrics = __import__("urllib.request").request.urlopen(f"{url[:-3]}/metrics", timeout=30).read()
+    text = log.read_text()
+    lines = re.findall(r"SpecCache: req=\S+ method=(\w+) prompt=(\d+) reused=(\d+) recomputed=(\d+) .*?"
+                       r"hits=(\d+) misses=(\d+)", text)
+    relevant = "\n".join(l for l in text.splitlines() if re.search("SpecCache|ERROR|WARNING|Traceback", l))
+    assert [m[0] for m in lines] == ["speccache", "reuse"], relevant[-6000:]
+    for method, prompt, reused, recomputed, hits, misses in lines:
+        assert int(hits) == 3 and int(misses) == 0 and int(reused) > int(prompt) // 2
+    # what clients read as cached tokens is what was reused (not the n - 1 tokens the connector claims)
+    reused = [int(m[2]) for m in lines]
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in (reply, again)] == reused
+    assert reply.kv_transfer_params["speccache"]["reused_tokens"] == reused[0]
+    hits = re.search(rb"^vllm:external_prefix_cache_hits_total\{[^}]*\} (\S+)", metrics, re.M)
+    assert hits and float(hits.group(1)) == sum(reused), metrics[:2000]
 
 
 @needs_vllm
 @pytest.mark.timeout(600)
 def test_unsupported_architecture_falls_back_to_plain_prefill_with_a_warning(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPTS / "unsupported_arch.py"), str(tmp_path)],
-                          capture_output=True, text=True, env=_child_env(), preexec_fn=_unpin, timeout=580)
+                          capture_output=True, text=True, env=child_env(), preexec_fn=_unpin, timeout=580)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

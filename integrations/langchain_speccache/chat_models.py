@@ -24,7 +24,14 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_serializer, model_val
 
 from langchain_speccache.callbacks import RetrievalHints
 from speccache_rag import GenerationOutput, GenerationStats, OffloadConfig, ReuseConfig, SpecCacheEngine
-from speccache_rag.matching import astream_text, precompute_texts, stream_text
+from speccache_rag.matching import (
+    agenerate_text,
+    astream_text,
+    chunk_index,
+    generate_text,
+    precompute_texts,
+    stream_text,
+)
 
 
 class ChatSpecCache(BaseChatModel):
@@ -69,12 +76,20 @@ class ChatSpecCache(BaseChatModel):
         .. code-block:: python
 
             chain.invoke(question, config={"callbacks": [chat.retrieval_hints]})
+
+    Remote mode (a SpecCache ``vllm serve`` elsewhere; no model is loaded here):
+        .. code-block:: python
+
+            chat = ChatSpecCache(base_url="http://gpu-host:8000/v1", model="smollm2", api_key="...")
+            chat.precompute(chunks)            # the server computes and stores each chunk's KV
+            # queries send the keys of the chunks found in the messages (docs/deploy.md)
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
-    target: str = Field(default="smollm2-135m", alias="model",
-                        description="Target model: a packaged name, a HF directory or a .gguf file.")
+    target: Optional[str] = Field(default="smollm2-135m", alias="model",
+                                  description="Target model: a packaged name, a HF directory or a .gguf file "
+                                  "(remote mode: the served model name; None: the server's first).")
     draft: Optional[str] = Field(default=None, description="Draft model that scores tokens; None: the target.")
     store: Any = Field(default="./.speccache/kv",
                        description="KV store: a directory, 'memory://', 'redis://host:port/db' or a KVStore.")
@@ -96,10 +111,13 @@ class ChatSpecCache(BaseChatModel):
     seed: Optional[int] = Field(default=None, description="Sampling seed.")
     streaming: bool = Field(default=False, description="Generate through _stream even for invoke.")
     use_retrieval_hints: bool = Field(default=True, description="Search hinted documents' texts first.")
-    timeout: Optional[float] = Field(default=None, description="Accepted for the standard interface; unused.")
-    max_retries: int = Field(default=0, description="Accepted for the standard interface; unused (local model).")
+    base_url: Optional[str] = Field(default=None, description="Remote mode: a SpecCache `vllm serve` "
+                                    "(http://host:8000/v1).")
+    api_key: Optional[str] = Field(default=None, description="Remote mode: the server's API key.")
+    timeout: Optional[float] = Field(default=None, description="Remote mode: seconds to wait (None: 600).")
+    max_retries: int = Field(default=2, description="Remote mode: retries of a failed connection.")
 
-    _engine: Optional[SpecCacheEngine] = PrivateAttr(default=None)
+    _engine: Any = PrivateAttr(default=None)
     _engine_lock: Any = PrivateAttr(default_factory=threading.Lock)
     # per thread, so that concurrent callers each see their own call's statistics
     _last_stats: Any = PrivateAttr(default_factory=threading.local)
@@ -109,6 +127,10 @@ class ChatSpecCache(BaseChatModel):
         if engine is not None:
             kwargs.setdefault("target", engine.name)
             kwargs.setdefault("store", engine.store)
+        if kwargs.get("base_url"):
+            if "model" not in kwargs:
+                kwargs.setdefault("target", None)
+            kwargs.setdefault("store", None)     # the server has the store; give one to read its text index
         super().__init__(**kwargs)
         self._engine = engine
 
@@ -116,20 +138,29 @@ class ChatSpecCache(BaseChatModel):
     def _check_reuse(self) -> "ChatSpecCache":
         ReuseConfig(method=self.method, recompute_ratio=self.recompute_ratio)   # fail early on bad values
         OffloadConfig.parse(self.offload)
+        if self.base_url and self.offload is not None:
+            raise ValueError("offloaded decoding runs in-process only; remote mode (base_url) cannot use it")
         return self
 
     @field_serializer("store")
-    def _store_name(self, store: Any) -> str:
-        return store if isinstance(store, str) else type(store).__name__
+    def _store_name(self, store: Any) -> Optional[str]:
+        return store if isinstance(store, str) or store is None else type(store).__name__
 
     # ---- the engine and what it reports --------------------------------------------------------
     @property
-    def engine(self) -> SpecCacheEngine:
-        """The engine, loaded on first use."""
+    def engine(self) -> Any:
+        """The engine, loaded on first use: a ``SpecCacheEngine``, or in remote mode a ``RemoteEngine``."""
         with self._engine_lock:
             if self._engine is None:
-                self._engine = SpecCacheEngine.from_pretrained(self.target, draft=self.draft, store=self.store,
-                                                               backend=self.backend, dtype=self.dtype)
+                if self.base_url:
+                    from speccache_rag.remote import RemoteEngine
+
+                    self._engine = RemoteEngine(self.base_url, model=self.target, api_key=self.api_key,
+                                                store=self.store, timeout=self.timeout or 600.0,
+                                                max_retries=self.max_retries)
+                else:
+                    self._engine = SpecCacheEngine.from_pretrained(self.target, draft=self.draft, store=self.store,
+                                                                   backend=self.backend, dtype=self.dtype)
             return self._engine
 
     @property
@@ -143,10 +174,22 @@ class ChatSpecCache(BaseChatModel):
         """Callback handler to pass in a chain's config so retrieved documents become hints."""
         return self._hints
 
-    def precompute(self, texts_or_documents: Iterable[Union[str, Document]], progress: bool = False) -> list[str]:
-        """Precompute the KV of each chunk (a string, or a Document's ``page_content``); → store keys."""
+    def precompute(self, texts_or_documents: Iterable[Union[str, Document]], progress: bool = False,
+                   engine: Optional[SpecCacheEngine] = None) -> list[str]:
+        """Precompute the KV of each chunk (a string, or a Document's ``page_content``); → store keys.
+
+        Remote mode: the server computes and stores it (``chat.engine.last_precompute``: new / already
+        stored / failed); or pass a local ``engine`` writing to the store the server reads — refused
+        with ``ValueError`` unless the server would read its KV (same model fingerprint)."""
         texts = [d.page_content if isinstance(d, Document) else d for d in texts_or_documents]
-        return precompute_texts(self.engine, texts, progress=progress)
+        if engine is None:
+            return precompute_texts(self.engine, texts, progress=progress)
+        if not self.base_url:
+            raise ValueError("precompute(engine=...) is for remote mode; a local ChatSpecCache has its own engine")
+        self.engine.check_engine(engine)
+        keys = precompute_texts(engine, texts, progress=progress)
+        chunk_index(self.engine).add([t.strip() for t in texts], keys)
+        return keys
 
     @property
     def _llm_type(self) -> str:
@@ -188,10 +231,13 @@ class ChatSpecCache(BaseChatModel):
     def _metadata(self, out: GenerationOutput) -> dict[str, Any]:
         s = out.stats
         self._last_stats.stats = s
+        # remote: the server's own count of cached prompt tokens
+        cached = ((out.usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", s.reused_tokens)
         usage = UsageMetadata(input_tokens=s.prompt_tokens, output_tokens=s.generated_tokens,
                               total_tokens=s.prompt_tokens + s.generated_tokens,
-                              input_token_details={"cache_read": s.reused_tokens})
-        response = {"model_name": self.target, "model_provider": "speccache", "finish_reason": out.finish_reason,
+                              input_token_details={"cache_read": cached})
+        response = {"model_name": self.target or self.engine.name, "model_provider": "speccache",
+                    "finish_reason": out.finish_reason,
                     "speccache": s.to_dict()}
         return {"usage_metadata": usage, "response_metadata": response}
 
@@ -230,18 +276,15 @@ class ChatSpecCache(BaseChatModel):
                   run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
         if self.streaming:
             return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
-        *_, out = stream_text(self.engine, _as_dicts(messages), self._hint_texts(),
-                              **self._generate_kwargs(stop, kwargs))
+        out = generate_text(self.engine, _as_dicts(messages), self._hint_texts(), **self._generate_kwargs(stop, kwargs))
         return self._result(out)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                          run_manager: Optional[AsyncCallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
         if self.streaming:
             return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
-        out = None
-        async for out in astream_text(await self._aengine(), _as_dicts(messages), self._hint_texts(),
-                                      **self._generate_kwargs(stop, kwargs)):
-            pass
+        out = await agenerate_text(await self._aengine(), _as_dicts(messages), self._hint_texts(),
+                                   **self._generate_kwargs(stop, kwargs))
         return self._result(out)
 
     async def _aengine(self) -> SpecCacheEngine:

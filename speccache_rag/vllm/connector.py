@@ -22,9 +22,17 @@ never wrong output. Per-request statistics are logged (``SpecCache: req=… reus
 back to the scheduler, and returned as the finished request's ``kv_transfer_params["speccache"]``.
 
 Per-request ``kv_transfer_params={"speccache": {...}}`` keys: ``method``, ``recompute_ratio``,
-``reuse`` (other ``ReuseConfig`` fields), ``spans`` ([[start, end], …] chunk token spans), ``prompt``
+``reuse`` (other ``ReuseConfig`` fields), ``spans`` ([[start, end], …] chunk token spans), ``chunks``
+([key, …]: store keys of chunks in the prompt, placed where their tokens are — a key that is not
+stored, not this model's, or whose tokens are not in the prompt is ignored with a warning), ``prompt``
 ({"system", "chunks", "question"}: lets the draft read the prompt exactly as the torch engine does),
-``tag`` (a name for the statistics), ``op="precompute"`` + ``span`` (store one chunk's KV).
+``tag`` (a name for the statistics), ``op="precompute"`` + ``span`` (store one chunk's KV),
+``op="info"`` (+ ``keys``: which of them are stored) — what remote clients need to know: the model
+fingerprint, the sink tokens, the defaults.
+
+The reused token count is what vLLM reports as the request's cached tokens
+(``usage.prompt_tokens_details.cached_tokens`` with ``--enable-prompt-tokens-details``, and the
+prefix-cache metrics), not the ``n - 1`` tokens the connector claims.
 """
 from __future__ import annotations
 
@@ -196,6 +204,9 @@ class SpecCacheConnector(KVConnectorBase_V1):
         self._plans: dict[str, dict] = {}
         self._pending: dict[str, dict] = {}
         self._reports: dict[str, dict] = {}
+        self._notes: dict[str, dict] = {}                 # per request: what the response tells the client
+        # per blended request, until its worker report arrives (which may be after it finished)
+        self._prefill_stats: OrderedDict[str, Any] = OrderedDict()
         self._index: StoredChunkIndex | None = None
         self._warned: set[str] = set()
         # worker state
@@ -225,6 +236,10 @@ class SpecCacheConnector(KVConnectorBase_V1):
 
     # ==== scheduler side ==========================================================================
     def on_new_request(self, request: "Request") -> None:
+        params = (request.kv_transfer_params or {}).get(PARAMS_KEY) or {}
+        if isinstance(params, dict) and params.get("op") == "info":
+            self._notes[request.request_id] = self._info(params.get("keys") or [])
+            return
         if self.unsupported:
             return
         try:
@@ -263,6 +278,8 @@ class SpecCacheConnector(KVConnectorBase_V1):
                                           params.get("reuse") or {})
         if "spans" in params:
             spans = _valid_spans(params["spans"], n)
+        elif "chunks" in params:
+            spans = self._place(request.request_id, ids, params["chunks"])
         elif self.options.lookup == "auto":
             spans = [[s, e, key] for s, e, key in self._find(ids)]
         else:
@@ -274,11 +291,37 @@ class SpecCacheConnector(KVConnectorBase_V1):
             raise ValueError("'prompt' must be an object with system, chunks, question")
         return {"op": "blend", "spans": spans, "reuse": asdict(reuse), "prompt": prompt, "tag": params.get("tag")}
 
-    def _find(self, ids: list[int]) -> list[tuple[int, int, str]]:
+    def _stored_index(self) -> StoredChunkIndex:
         if self._index is None:
             self._index = StoredChunkIndex(self.store, self.fingerprint, head=self.options.min_chunk_tokens)
         self._index.refresh()
-        return self._index.find(ids)
+        return self._index
+
+    def _find(self, ids: list[int]) -> list[tuple[int, int, str]]:
+        return self._stored_index().find(ids)
+
+    def _place(self, req_id: str, ids: list[int], keys) -> list[list]:
+        """Spans of the chunks a client named by key; every key that cannot be placed is reported."""
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise ValueError("'chunks' must be a list of store keys")
+        placed, ignored = self._stored_index().place(ids, keys)
+        for key, reason in ignored:
+            logger.warning("SpecCache: request %s: chunk id %s ignored: %s", req_id, key[:16], reason)
+        if ignored:
+            self._notes[req_id] = {"ignored": [{"key": k, "reason": r} for k, r in ignored]}
+        return [[s, e, key] for s, e, key in placed]
+
+    def _info(self, keys) -> dict:
+        from ..models import load_tokenizer
+
+        keys = [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
+        info = {"fingerprint": self.fingerprint, "dtype": self.dtype, "sink": self.options.sink,
+                "sink_ids": sink_token_ids(load_tokenizer(self.model_dir), self.options.sink),
+                "method": self.options.method, "recompute_ratio": self.options.recompute_ratio,
+                "stored": [k for k in keys if self.store.contains(k)]}
+        if self.unsupported:
+            info["unsupported"] = self.unsupported
+        return info
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         plan = self._plans.get(request.request_id)
@@ -299,6 +342,10 @@ class SpecCacheConnector(KVConnectorBase_V1):
         if plan is not None and num_external_tokens > 0:
             plan["claimed"] = True
             self._pending[request.request_id] = plan
+            if request.prefill_stats is not None:
+                self._prefill_stats[request.request_id] = request.prefill_stats
+                while len(self._prefill_stats) > _REPORTS_MAX:          # blends that failed never report
+                    self._prefill_stats.popitem(last=False)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = SpecCacheMetadata()
@@ -317,11 +364,26 @@ class SpecCacheConnector(KVConnectorBase_V1):
             for req_id, report in worker_meta.reports.items():
                 if req_id in self._plans:                # finished requests have no use for it
                     self._reports[req_id] = report
+                self._correct_cached_tokens(req_id, report)
+
+    def _correct_cached_tokens(self, req_id: str, report: dict) -> None:
+        """vLLM counts every claimed token as cached; make it the tokens actually reused.
+
+        The request's ``PrefillStats`` was handed to its first output earlier in this same
+        ``update_from_output`` call (which then asks the connector for its output), and outputs are
+        serialized only after it returns, so correcting the object now corrects what clients see.
+        """
+        stats = self._prefill_stats.pop(req_id, None)
+        if stats is None or report.get("method") == "precompute":
+            return
+        reused = min(int(report.get("reused_tokens", 0)), stats.num_prompt_tokens)
+        stats.num_cached_tokens = stats.num_external_cached_tokens = reused
+        stats.num_computed_tokens = stats.num_prompt_tokens - reused
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._plans.pop(request.request_id, None)
-        report = self._reports.pop(request.request_id, None)
-        return False, ({PARAMS_KEY: report} if report is not None else None)
+        body = {**self._notes.pop(request.request_id, {}), **self._reports.pop(request.request_id, {})}
+        return False, ({PARAMS_KEY: body} if body else None)
 
     # ==== worker side =============================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):

@@ -161,6 +161,38 @@ class StoredChunkIndex:
         return found
 
 
+    def place(self, prompt: list[int], keys: list[str]) -> tuple[list[tuple[int, int, str]], list[tuple[str, str]]]:
+        """Where the chunks a client named by key are in ``prompt``: ``(placed, ignored)``.
+
+        ``placed``: (start, end, key), sorted; a chunk is placed where the longest prefix of its tokens
+        (at least ``head``) occurs, as in ``find``. ``ignored``: (key, reason) for every key that is not
+        stored, belongs to another model, or whose tokens the prompt does not contain — a name alone
+        never makes a reuse.
+        """
+        placed: list[tuple[int, int, str]] = []
+        ignored: list[tuple[str, str]] = []
+        with self._lock:
+            for key in dict.fromkeys(keys):
+                ids = self._ids.get(key)
+                if ids is None:
+                    reason = ("stored by another model, tokenizer, dtype or sink policy" if key in self._foreign
+                              else "not in the store (never precomputed here, evicted, or unreadable)")
+                    ignored.append((key, reason))
+                    continue
+                best, best_len = None, 0
+                for i in range(len(prompt) - self.head + 1):
+                    if prompt[i: i + self.head] != ids[: self.head]:
+                        continue
+                    length = _common_prefix(prompt, i, ids)
+                    if length > best_len and not any(s < i + length and i < e for s, e, _ in placed):
+                        best, best_len = i, length
+                if best is None:
+                    ignored.append((key, "its tokens are not in this prompt"))
+                else:
+                    placed.append((best, best + best_len, key))
+        return sorted(placed), ignored
+
+
 def _common_prefix(prompt: list[int], start: int, ids: list[int]) -> int:
     n = min(len(ids), len(prompt) - start)
     j = 0

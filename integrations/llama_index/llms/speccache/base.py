@@ -22,7 +22,7 @@ from llama_index.core.llms.llm import LLM
 
 from llama_index.llms.speccache.hints import RetrievalHints
 from speccache_rag import GenerationOutput, GenerationStats, OffloadConfig, ReuseConfig, SpecCacheEngine
-from speccache_rag.matching import astream_text, stream_text
+from speccache_rag.matching import agenerate_text, astream_text, generate_text, stream_text
 
 _ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant"}
 
@@ -67,10 +67,18 @@ class SpecCacheLLM(LLM):
         .. code-block:: python
 
             index.as_query_engine(llm=llm).query("...")
+
+    Remote mode (a SpecCache ``vllm serve`` elsewhere; no model is loaded here):
+        .. code-block:: python
+
+            llm = SpecCacheLLM(base_url="http://gpu-host:8000/v1", model="smollm2", api_key="...")
+            # SpecCacheKVPrecompute(llm=llm) asks the server to store each node's KV; queries send the
+            # keys of the chunks they contain, and the server reuses exactly those (docs/deploy.md)
     """
 
-    target: str = Field(default="smollm2-135m",
-                        description="Target model: a packaged name, a HF directory or a .gguf file.")
+    target: Optional[str] = Field(default="smollm2-135m",
+                                  description="Target model: a packaged name, a HF directory or a .gguf file "
+                                  "(remote mode: the served model name; alias `model`).")
     draft: Optional[str] = Field(default=None,
                                  description="Draft model that scores tokens; None scores with the target.")
     store: Any = Field(default="./.speccache/kv",
@@ -95,8 +103,12 @@ class SpecCacheLLM(LLM):
                                           description="Context window; None reads it from the model's config.")
     use_retrieval_hints: bool = Field(default=True,
                                       description="Search retrieved nodes' texts first (RetrievalEndEvent).")
+    base_url: Optional[str] = Field(default=None, description="Remote mode: a SpecCache `vllm serve` "
+                                    "(http://host:8000/v1); `target` is then the served model name (None: its first).")
+    api_key: Optional[str] = Field(default=None, description="Remote mode: the server's API key.")
+    timeout: float = Field(default=600.0, gt=0, description="Remote mode: seconds to wait for a response.")
 
-    _engine: Optional[SpecCacheEngine] = PrivateAttr(default=None)
+    _engine: Any = PrivateAttr(default=None)
     _engine_lock: Any = PrivateAttr(default_factory=threading.Lock)
     # per thread, so that concurrent callers each see their own call's statistics
     _last_stats: Any = PrivateAttr(default_factory=threading.local)
@@ -104,9 +116,16 @@ class SpecCacheLLM(LLM):
     _hints_seen: Optional[RetrievalHints] = PrivateAttr(default=None)
 
     def __init__(self, engine: Optional[SpecCacheEngine] = None, **kwargs: Any) -> None:
+        if "model" in kwargs:                    # the OpenAI-style name of `target`
+            kwargs["target"] = kwargs.pop("model")
         if engine is not None:
             kwargs.setdefault("target", engine.name)
             kwargs.setdefault("store", engine.store)
+        if kwargs.get("base_url"):
+            kwargs.setdefault("target", None)
+            kwargs.setdefault("store", None)     # the server has the store; give one to read its text index
+            if kwargs.get("offload") is not None:
+                raise ValueError("offloaded decoding runs in-process only; remote mode (base_url) cannot use it")
         super().__init__(**kwargs)
         ReuseConfig(method=self.method, recompute_ratio=self.recompute_ratio)   # fail early on bad values
         OffloadConfig.parse(self.offload)
@@ -115,8 +134,8 @@ class SpecCacheLLM(LLM):
             self._hints_seen = RetrievalHints()
 
     @field_serializer("store")
-    def _store_name(self, store: Any) -> str:
-        return store if isinstance(store, str) else type(store).__name__
+    def _store_name(self, store: Any) -> Optional[str]:
+        return store if isinstance(store, str) or store is None else type(store).__name__
 
     @classmethod
     def class_name(cls) -> str:
@@ -124,25 +143,32 @@ class SpecCacheLLM(LLM):
 
     # ---- the engine and what it reports --------------------------------------------------------
     @property
-    def engine(self) -> SpecCacheEngine:
-        """The engine, loaded on first use."""
+    def engine(self) -> Any:
+        """The engine, loaded on first use: a ``SpecCacheEngine``, or in remote mode a ``RemoteEngine``."""
         with self._engine_lock:
             if self._engine is None:
-                self._engine = SpecCacheEngine.from_pretrained(self.target, draft=self.draft, store=self.store,
-                                                               backend=self.backend, dtype=self.dtype)
+                if self.base_url:
+                    from speccache_rag.remote import RemoteEngine
+
+                    self._engine = RemoteEngine(self.base_url, model=self.target, api_key=self.api_key,
+                                                store=self.store, timeout=self.timeout)
+                else:
+                    self._engine = SpecCacheEngine.from_pretrained(self.target, draft=self.draft, store=self.store,
+                                                                   backend=self.backend, dtype=self.dtype)
             return self._engine
 
     @property
     def metadata(self) -> LLMMetadata:
         return LLMMetadata(context_window=self._context_window(), num_output=self.max_new_tokens,
-                           is_chat_model=True, is_function_calling_model=False, model_name=self.target)
+                           is_chat_model=True, is_function_calling_model=False,
+                           model_name=self.target or "unknown")
 
     def _context_window(self) -> int:
         if self.context_window is not None:
             return self.context_window
         if self._context is None:
-            if self._engine is not None:
-                self._context = self._engine.context_window
+            if self._engine is not None or self.base_url:
+                self._context = self.engine.context_window       # remote: the server's, no model loaded
             else:   # read the config only: metadata must not load the weights
                 from transformers import AutoConfig
 
@@ -182,13 +208,23 @@ class SpecCacheLLM(LLM):
         system = [] if formatted or not self.system_prompt else [{"role": "system", "content": self.system_prompt}]
         return [*system, {"role": "user", "content": prompt}]
 
+    def _generate(self, messages: List[dict], kwargs: Dict[str, Any]) -> CompletionResponse:
+        return self._final(generate_text(self.engine, messages, self._hints(), **self._generate_kwargs(kwargs)))
+
+    async def _agenerate(self, messages: List[dict], kwargs: Dict[str, Any]) -> CompletionResponse:
+        gen_kwargs = self._generate_kwargs(kwargs)
+        engine = self._engine or await asyncio.to_thread(lambda: self.engine)   # first call loads the model
+        return self._final(await agenerate_text(engine, messages, self._hints(), **gen_kwargs))
+
     def _final(self, out: GenerationOutput) -> CompletionResponse:
         self._last_stats.stats = out.stats
         stats = out.stats.to_dict()
+        usage = out.usage or _usage(out.stats)          # remote: what the server itself reported
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", out.stats.reused_tokens)
         return CompletionResponse(text=out.text, delta="",
-                                  additional_kwargs={**stats, "cached_tokens": out.stats.reused_tokens},
+                                  additional_kwargs={**stats, "cached_tokens": cached},
                                   raw={"stats": stats, "finish_reason": out.finish_reason,
-                                       "token_ids": out.token_ids, "usage": _usage(out.stats)})
+                                       "token_ids": out.token_ids, "usage": usage})
 
     def _run(self, messages: List[dict], kwargs: Dict[str, Any]) -> CompletionResponseGen:
         text = ""
@@ -214,8 +250,7 @@ class SpecCacheLLM(LLM):
     # ---- completion ----------------------------------------------------------------------------
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        *_, last = self._run(self._completion_messages(prompt, formatted), kwargs)
-        return last
+        return self._generate(self._completion_messages(prompt, formatted), kwargs)
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
@@ -223,10 +258,7 @@ class SpecCacheLLM(LLM):
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        last = None
-        async for last in self._arun(self._completion_messages(prompt, formatted), kwargs):
-            pass
-        return last
+        return await self._agenerate(self._completion_messages(prompt, formatted), kwargs)
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False,
@@ -236,8 +268,7 @@ class SpecCacheLLM(LLM):
     # ---- chat ----------------------------------------------------------------------------------
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        *_, last = self._run(_as_dicts(messages), kwargs)
-        return _to_chat(last)
+        return _to_chat(self._generate(_as_dicts(messages), kwargs))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
@@ -245,10 +276,7 @@ class SpecCacheLLM(LLM):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        last = None
-        async for last in self._arun(_as_dicts(messages), kwargs):
-            pass
-        return _to_chat(last)
+        return _to_chat(await self._agenerate(_as_dicts(messages), kwargs))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:

@@ -9,7 +9,8 @@ from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
 
 from llama_index.llms.speccache.base import SpecCacheLLM
 from speccache_rag import SpecCacheEngine
-from speccache_rag.matching import precompute_texts
+from speccache_rag.matching import chunk_index, precompute_texts
+from speccache_rag.remote import PrecomputeSummary
 
 
 class SpecCacheKVPrecompute(TransformComponent):
@@ -26,6 +27,11 @@ class SpecCacheKVPrecompute(TransformComponent):
         pipeline = IngestionPipeline(transformations=[SentenceSplitter(chunk_size=256), embed_model,
                                                       SpecCacheKVPrecompute(llm=llm)])
         nodes = pipeline.run(documents=documents)
+
+    With a remote LLM (``SpecCacheLLM(base_url=...)``) the server computes and stores the KV
+    (``transform.last_summary``: new / already stored / failed). Passing ``engine=`` as well computes
+    it with that local engine into the store the server reads — after checking that the server
+    would read it (same model fingerprint), else ``ValueError``.
     """
 
     model_name: str = Field(default="", description="Target model whose KV is computed.")
@@ -38,26 +44,39 @@ class SpecCacheKVPrecompute(TransformComponent):
 
     def __init__(self, llm: Optional[SpecCacheLLM] = None, engine: Optional[SpecCacheEngine] = None,
                  **kwargs: Any) -> None:
-        if (llm is None) == (engine is None):
-            raise ValueError("SpecCacheKVPrecompute needs exactly one of llm=SpecCacheLLM(...) or engine=...")
-        store = llm.store if llm is not None else engine.store
-        kwargs.setdefault("model_name", llm.target if llm is not None else engine.name)
+        remote = llm is not None and bool(llm.base_url)
+        if (llm is None) == (engine is None) and not (remote and engine is not None):
+            raise ValueError("SpecCacheKVPrecompute needs one of llm=SpecCacheLLM(...) or engine=... "
+                             "(both only with a remote llm, whose server then reads what the engine stores)")
+        store = engine.store if engine is not None else llm.store
+        kwargs.setdefault("model_name", engine.name if engine is not None else (llm.target or ""))
         kwargs.setdefault("store", store if isinstance(store, str) else type(store).__name__)
         super().__init__(**kwargs)
         self._llm, self._engine = llm, engine
+        self._checked = False
 
     @classmethod
     def class_name(cls) -> str:
         return "SpecCacheKVPrecompute"
 
     @property
-    def engine(self) -> SpecCacheEngine:
+    def engine(self) -> Any:
         return self._engine if self._engine is not None else self._llm.engine
+
+    @property
+    def last_summary(self) -> Optional[PrecomputeSummary]:
+        """Remote precompute: what the last call did (new / already stored / failed)."""
+        return getattr(self.engine, "last_precompute", None)
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         texts = [n.get_content(metadata_mode=self.metadata_mode).strip() for n in nodes]
-        precompute_texts(self.engine, [t for t in texts if t],
-                         progress=kwargs.get("show_progress", self.show_progress))
+        if self._engine is not None and self._llm is not None and not self._checked:
+            self._llm.engine.check_engine(self._engine)          # refuse KV the server would never read
+            self._checked = True
+        keys = precompute_texts(self.engine, [t for t in texts if t],
+                                progress=kwargs.get("show_progress", self.show_progress))
+        if self._engine is not None and self._llm is not None:   # the remote LLM learns them too
+            chunk_index(self._llm.engine).add([t for t in texts if t], keys)
         return nodes
 
     async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:

@@ -1,0 +1,390 @@
+"""``RemoteEngine``: the engine API (precompute / generate / stream, sync and async) over a SpecCache
+``vllm serve``, through the official ``openai`` client. No model is loaded in this process.
+
+What crosses the wire, in ``extra_body={"kv_transfer_params": {"speccache": {...}}}`` (the connector's
+per-request parameters, :mod:`speccache_rag.vllm.connector`):
+
+* a query sends the chat messages as any OpenAI client would, plus ``chunks``: the store keys of the
+  chunks found in them (learned from precompute, or from a shared store's text index). The server
+  places each stored chunk where its tokens are and ignores, with a warning in its log and in the
+  response, a key that is unknown, another model's, or not in the prompt.
+* precompute asks ``op="info"`` for the server's model fingerprint and sink tokens, tokenizes each
+  chunk with the server's ``/tokenize``, and sends the chunks the store lacks as one-token requests
+  ``[sink] + chunk + one token`` flagged ``op="precompute"`` — the KV comes from the very weights
+  that serve it, under the key any engine of that model computes.
+
+Reused tokens come back as ``usage.prompt_tokens_details.cached_tokens`` (the server needs
+``--enable-prompt-tokens-details``) and, for a non-streamed response, every statistic of the blend
+in the response's ``kv_transfer_params``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+import weakref
+from collections.abc import AsyncIterator, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from .config import ReuseConfig
+from .kv import chunk_key
+from .output import GenerationOutput, GenerationStats, GenerationStream, StreamingEngine
+from .prompt import RAGPrompt
+
+logger = logging.getLogger("speccache_rag.remote")
+PARAMS_KEY = "speccache"
+INSTALL_HINT = "remote mode needs the OpenAI client: pip install 'speccache-rag[remote]'"
+PRECOMPUTE_IN_FLIGHT = 8        # one-token precompute requests sent at once (the server batches them)
+
+
+def _openai():
+    try:
+        import openai
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(INSTALL_HINT) from e
+    return openai
+
+
+@dataclass
+class PrecomputeSummary:
+    """What one ``RemoteEngine.precompute`` did."""
+
+    chunks: int = 0                  # distinct chunks asked for
+    new: int = 0                     # computed and stored by the server now
+    already_stored: int = 0
+    failed: list[str] = field(default_factory=list)     # keys the store still lacks afterwards
+
+    def line(self) -> str:
+        return (f"{self.chunks} chunks: {self.new} new, {self.already_stored} already stored, "
+                f"{len(self.failed)} failed")
+
+
+class ServerUnavailable(ConnectionError):
+    """The SpecCache server cannot be reached (or stopped answering)."""
+
+
+class RemoteEngine(StreamingEngine):
+    """A SpecCache ``vllm serve`` at ``base_url`` (``http://host:8000/v1``), as an engine.
+
+    ``model``: the served model name (None: the server's first); ``store``: optional, the server's
+    shared store (e.g. ``redis://…``) — its chunk-text index lets this client find chunks that other
+    processes precomputed. Everything else a query needs, the server has.
+    """
+
+    backend = "remote"
+
+    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None, store=None,
+                 timeout: float = 600.0, max_retries: int = 2):
+        openai = _openai()
+        import httpx
+
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must be an http(s) URL such as http://localhost:8000/v1, got {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self._root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
+        http_timeout = httpx.Timeout(timeout, connect=min(10.0, timeout))
+        kw = dict(base_url=self.base_url, api_key=api_key or "EMPTY", timeout=http_timeout, max_retries=max_retries)
+        self.client = openai.OpenAI(**kw)
+        self._client_kw = kw
+        # an async client's connections belong to one event loop (asyncio.run makes a new one each time)
+        self._aclients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._api_key, self._timeout = api_key, http_timeout
+        if isinstance(store, str):
+            from .store import open_store
+
+            store = open_store(store)
+        self.store = store
+        self._model = model
+        self._card: dict | None = None
+        self._info: dict | None = None
+        self.last_precompute: PrecomputeSummary | None = None
+
+    # ---- what the server is ----------------------------------------------------------------------
+    def _call(self, fn, *args, **kwargs):
+        openai = _openai()
+        try:
+            return fn(*args, **kwargs)
+        except (openai.APIConnectionError, openai.APITimeoutError) as e:
+            raise ServerUnavailable(f"the SpecCache server at {self.base_url} is unreachable ({e}); "
+                                    "is `vllm serve` running there? (docs/deploy.md)") from e
+
+    async def _acall(self, coro):
+        openai = _openai()
+        try:
+            return await coro
+        except (openai.APIConnectionError, openai.APITimeoutError) as e:
+            raise ServerUnavailable(f"the SpecCache server at {self.base_url} is unreachable ({e}); "
+                                    "is `vllm serve` running there? (docs/deploy.md)") from e
+
+    def _aclient(self):
+        loop = asyncio.get_running_loop()
+        if loop not in self._aclients:
+            self._aclients[loop] = _openai().AsyncOpenAI(**self._client_kw)
+        return self._aclients[loop]
+
+    def _model_card(self) -> dict:
+        if self._card is None:
+            cards = [m.model_dump() for m in self._call(self.client.models.list).data]
+            if not cards:
+                raise RuntimeError(f"the server at {self.base_url} serves no model")
+            if self._model is None:
+                self._card = cards[0]
+            else:
+                match = [c for c in cards if c["id"] == self._model]
+                if not match:
+                    raise ValueError(f"the server at {self.base_url} does not serve {self._model!r}; "
+                                     f"it serves {', '.join(c['id'] for c in cards)}")
+                self._card = match[0]
+        return self._card
+
+    @property
+    def name(self) -> str:
+        return self._model or self._model_card()["id"]
+
+    @property
+    def context_window(self) -> int:
+        return int(self._model_card().get("max_model_len") or 2048)
+
+    def info(self, keys: Iterable[str] = ()) -> dict:
+        """The server's SpecCache facts (fingerprint, sink_ids, dtype, defaults); ``keys``: → ``stored``,
+        those of them its store holds. Raises if the server does not run the SpecCache connector."""
+        keys = list(keys)
+        resp = self._call(self.client.completions.create, model=self.name, prompt="info", max_tokens=1,
+                          temperature=0.0,
+                          extra_body={"kv_transfer_params": {PARAMS_KEY: {"op": "info", "keys": keys}}})
+        info = ((resp.model_extra or {}).get("kv_transfer_params") or {}).get(PARAMS_KEY)
+        if not info or "fingerprint" not in info:
+            raise RuntimeError(f"the server at {self.base_url} does not run the SpecCache KV connector "
+                               "(start it with --kv-transfer-config; docs/deploy.md)")
+        if info.get("unsupported"):
+            logger.warning("SpecCache server at %s cannot blend: %s", self.base_url, info["unsupported"])
+        if not keys:
+            self._info = info
+        return info
+
+    @property
+    def fingerprint(self) -> str:
+        if self._info is None:
+            self.info()
+        return self._info["fingerprint"]
+
+    def check_engine(self, engine) -> None:
+        """Refuse a local engine whose KV the server would never read (another model, dtype or sink)."""
+        if engine.fingerprint != self.fingerprint:
+            raise ValueError(
+                f"{getattr(engine, 'name', 'this engine')} computes KV under model fingerprint "
+                f"{engine.fingerprint[:12]}…, the server at {self.base_url} under {self.fingerprint[:12]}… "
+                "(another model, dtype or sink policy): the server would never read it. Precompute with the "
+                "server's weights, dtype and sink, or through the server (precompute on the remote LLM).")
+
+    def tokenize(self, text: str) -> list[int]:
+        """The server tokenizer's ids for one piece of text (no special tokens), as chunks are stored."""
+        import httpx
+
+        try:
+            r = httpx.post(f"{self._root}/tokenize", timeout=self._timeout,
+                           headers={"Authorization": f"Bearer {self._api_key or 'EMPTY'}"},
+                           json={"model": self.name, "prompt": text, "add_special_tokens": False})
+        except httpx.TransportError as e:
+            raise ServerUnavailable(f"the SpecCache server at {self.base_url} is unreachable ({e})") from e
+        r.raise_for_status()
+        return list(r.json()["tokens"])
+
+    # ---- ingestion ---------------------------------------------------------------------------------
+    def precompute(self, texts: Iterable[str], progress: bool = False) -> list[str]:
+        """Have the server compute and store each chunk's KV (idempotent); → the chunks' keys.
+        ``last_precompute`` says how many were new, already stored, or failed."""
+        from tqdm.auto import tqdm
+
+        texts = list(texts)
+        for t in texts:
+            if not isinstance(t, str) or not t.strip():
+                raise ValueError("cannot precompute an empty chunk")
+        sink = self.info()["sink_ids"]
+        ids_of = [self.tokenize(t) for t in texts]
+        for ids in ids_of:
+            if len(sink) + len(ids) + 1 > self.context_window:
+                raise ValueError(f"chunk of {len(ids)} tokens exceeds the server's context window "
+                                 f"of {self.context_window}")
+        keys = [chunk_key(self.fingerprint, ids) for ids in ids_of]
+        todo = dict(zip(keys, ids_of))
+        stored = set(self.info(list(todo))["stored"])
+        summary = PrecomputeSummary(chunks=len(todo), already_stored=len(stored))
+        todo = {k: ids for k, ids in todo.items() if k not in stored}
+
+        def one(ids: list[int]) -> None:
+            params = {"op": "precompute", "span": [len(sink), len(sink) + len(ids)], "tag": uuid.uuid4().hex}
+            self._call(self.client.completions.create, model=self.name, prompt=sink + ids + ids[-1:], max_tokens=1,
+                       temperature=0.0, extra_body={"kv_transfer_params": {PARAMS_KEY: params}})
+
+        with tqdm(total=len(todo), desc="precompute KV (server)", unit="chunk", disable=not progress) as bar, \
+                ThreadPoolExecutor(PRECOMPUTE_IN_FLIGHT) as pool:
+            for fut in [pool.submit(one, ids) for ids in todo.values()]:
+                try:
+                    fut.result()
+                except ServerUnavailable:
+                    raise
+                except Exception as e:     # counted below (the store is the judge), the rest go on
+                    logger.warning("SpecCache: a precompute request failed: %s", e)
+                bar.update(1)
+        now = set(self.info(list(todo))["stored"]) if todo else set()
+        summary.new, summary.failed = len(now), [k for k in todo if k not in now]
+        self.last_precompute = summary
+        logger.info("SpecCache precompute on %s: %s", self.base_url, summary.line())
+        if summary.failed:
+            logger.warning("SpecCache: %d chunk(s) were not stored by the server; see its log for 'SpecCache:' "
+                           "warnings", len(summary.failed))
+        return keys
+
+    # ---- queries -----------------------------------------------------------------------------------
+    def _request(self, prompt: RAGPrompt, max_new_tokens: int, reuse: ReuseConfig | None, temperature: float,
+                 top_p: float, stop, seed, return_first_logits: bool, offload) -> tuple[dict, str]:
+        from .matching import chunk_index
+
+        if offload is not None:
+            raise ValueError("offloaded decoding runs in-process only (backend='torch'); the server decodes "
+                             "with vLLM's own attention (docs/vllm.md)")
+        if return_first_logits:
+            raise ValueError("first-token logits are not available from a remote server")
+        if not isinstance(prompt, RAGPrompt):
+            raise TypeError(f"prompt must be a RAGPrompt, got {type(prompt).__name__}")
+        index = chunk_index(self)
+        keys = [k for k in (index.key(t) for t in prompt.chunks) if k]
+        params: dict = {"tag": uuid.uuid4().hex}
+        if reuse is not None:
+            params.update(method=reuse.method, recompute_ratio=reuse.recompute_ratio,
+                          reuse={k: v for k, v in vars(reuse).items() if k not in ("method", "recompute_ratio")})
+        if keys:
+            params["chunks"] = keys
+        stop = [stop] if isinstance(stop, str) else list(stop or []) or None
+        body = dict(model=self.name, messages=prompt.messages(prompt.chunks), max_tokens=max_new_tokens,
+                    temperature=temperature, top_p=top_p, stop=stop, seed=seed,
+                    extra_body={"kv_transfer_params": {PARAMS_KEY: params}})
+        return body, (reuse.method if reuse is not None else self._default_method())
+
+    def _default_method(self) -> str:
+        return (self._info or {}).get("method", "server default")
+
+    def generate(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
+                 temperature: float = 0.0, top_p: float = 1.0, stop=None, seed: int | None = None,
+                 return_first_logits: bool = False, offload=None) -> GenerationOutput:
+        """One non-streamed request: the response carries every statistic of the blend."""
+        body, method = self._request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed,
+                                     return_first_logits, offload)
+        start = time.perf_counter()
+        resp = self._call(self.client.chat.completions.create, **body)
+        return self._output(resp, method, start)
+
+    async def agenerate(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
+                        temperature: float = 0.0, top_p: float = 1.0, stop=None, seed: int | None = None,
+                        offload=None) -> GenerationOutput:
+        body, method = self._request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, False, offload)
+        start = time.perf_counter()
+        resp = await self._acall(self._aclient().chat.completions.create(**body))
+        return self._output(resp, method, start)
+
+    def _output(self, resp, method: str, start: float) -> GenerationOutput:
+        elapsed = time.perf_counter() - start
+        choice = resp.choices[0]
+        report = ((resp.model_extra or {}).get("kv_transfer_params") or {}).get(PARAMS_KEY) or {}
+        stats = _stats(method, resp.usage, report, elapsed, elapsed)
+        return GenerationOutput(choice.message.content or "", [], stats, _finish(choice.finish_reason),
+                                usage=_plain(resp.usage))
+
+    def stream(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
+               temperature: float = 0.0, top_p: float = 1.0, stop=None, seed: int | None = None,
+               return_first_logits: bool = False, offload=None) -> GenerationStream:
+        """Text pieces as the server sends them; ``.output`` (usage-based statistics) once done."""
+        body, method = self._request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed,
+                                     return_first_logits, offload)
+        stream = GenerationStream()
+        stream._pieces = self._pieces(stream, body, method)
+        return stream
+
+    def _pieces(self, stream: GenerationStream, body: dict, method: str) -> Iterator[str]:
+        start = time.perf_counter()
+        events = self._call(self.client.chat.completions.create, stream=True,
+                            stream_options={"include_usage": True}, **body)
+        acc = _Accumulator(method, start)
+        try:
+            for event in events:
+                piece = acc.add(event)
+                if piece:
+                    yield piece
+        finally:
+            events.close()
+        stream.output = acc.output()
+
+    async def astream(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
+                      temperature: float = 0.0, top_p: float = 1.0, stop=None, seed: int | None = None,
+                      offload=None) -> AsyncIterator[str | GenerationOutput]:
+        """Async text pieces, then this call's ``GenerationOutput`` (as ``matching.astream_text``)."""
+        body, method = self._request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, False, offload)
+        start = time.perf_counter()
+        events = await self._acall(self._aclient().chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **body))
+        acc = _Accumulator(method, start)
+        try:
+            async for event in events:
+                piece = acc.add(event)
+                if piece:
+                    yield piece
+        finally:
+            await events.close()
+        yield acc.output()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class _Accumulator:
+    """A streamed chat completion, gathered into text, timing and usage."""
+
+    def __init__(self, method: str, start: float):
+        self.method, self.start = method, start
+        self.text, self.usage, self.finish, self.ttft = "", None, None, None
+
+    def add(self, event) -> str:
+        if event.usage is not None:
+            self.usage = event.usage
+        piece = ""
+        for choice in event.choices:
+            piece += choice.delta.content or ""
+            self.finish = choice.finish_reason or self.finish
+        if piece and self.ttft is None:
+            self.ttft = time.perf_counter() - self.start
+        self.text += piece
+        return piece
+
+    def output(self) -> GenerationOutput:
+        stats = _stats(self.method, self.usage, {}, self.ttft or 0.0, time.perf_counter() - self.start)
+        return GenerationOutput(self.text, [], stats, _finish(self.finish), usage=_plain(self.usage))
+
+
+def _plain(usage) -> dict | None:
+    return usage.model_dump(exclude_none=True) if usage is not None else None
+
+
+def _finish(reason: str | None) -> str:
+    return "stop" if reason == "stop" else "length"
+
+
+def _stats(method: str, usage, report: dict, ttft: float, total: float) -> GenerationStats:
+    """Statistics from the server's report where it sent one, else from its usage block."""
+    for item in report.get("ignored", ()):
+        logger.warning("SpecCache server ignored chunk id %s: %s", item.get("key", "?")[:16], item.get("reason"))
+    stats = GenerationStats.from_dict(report) if "prompt_tokens" in report else GenerationStats(method, 0)
+    stats.method = method
+    if usage is not None:
+        stats.prompt_tokens, stats.generated_tokens = usage.prompt_tokens, usage.completion_tokens
+        details = usage.prompt_tokens_details
+        if "prompt_tokens" not in report:
+            stats.reused_tokens = int(getattr(details, "cached_tokens", 0) or 0)
+            stats.recomputed_tokens = stats.prompt_tokens - stats.reused_tokens
+    stats.ttft_s, stats.total_s = ttft, total
+    return stats
+
+
+__all__ = ["RemoteEngine", "PrecomputeSummary", "ServerUnavailable"]
