@@ -234,6 +234,16 @@ def test_local_precompute_into_the_shared_store_is_checked_against_the_server(se
     assert msg.response_metadata["speccache"]["cache_hits"] == 2
 
 
+def test_a_torch_engine_reuses_what_the_server_precomputed(server, smollm2, demo_docs):
+    url, store, _ = server
+    model, tok = smollm2
+    texts = [t.strip() for _, t in _docs(demo_docs, ("08_",))]
+    RemoteEngine(url, model="smollm2").precompute(texts)                   # vLLM computes, into Redis
+    local = SpecCacheEngine(model, tok, store=store, name="smollm2-135m")
+    out = local.generate(RAGPrompt(chunks=texts, question="Who runs Haskett Yard?"), max_new_tokens=4)
+    assert out.stats.cache_hits == 1 and out.stats.cache_misses == 0 and out.stats.reused_tokens > 0
+
+
 def test_a_server_that_is_down_is_a_clear_error_not_a_hang():
     from llama_index.llms.speccache import SpecCacheLLM
 

@@ -200,6 +200,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
             logger.warning("SpecCache: %s; every request falls back to plain vLLM prefill", self.unsupported)
         self.store, self.store_url = shared_store(self.options.store)
         self._fingerprint: str | None = None
+        self._sink_ids: list[int] | None = None
         # scheduler state
         self._plans: dict[str, dict] = {}
         self._pending: dict[str, dict] = {}
@@ -314,9 +315,11 @@ class SpecCacheConnector(KVConnectorBase_V1):
     def _info(self, keys) -> dict:
         from ..models import load_tokenizer
 
+        if self._sink_ids is None:
+            self._sink_ids = sink_token_ids(load_tokenizer(self.model_dir), self.options.sink)
         keys = [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
         info = {"fingerprint": self.fingerprint, "dtype": self.dtype, "sink": self.options.sink,
-                "sink_ids": sink_token_ids(load_tokenizer(self.model_dir), self.options.sink),
+                "sink_ids": self._sink_ids,
                 "method": self.options.method, "recompute_ratio": self.options.recompute_ratio,
                 "stored": [k for k in keys if self.store.contains(k)]}
         if self.unsupported:
