@@ -194,12 +194,7 @@ class SpecCacheEngine(StreamingEngine):
             if self._gate_failed is None:
                 from . import gate
 
-                name = gate.meta_name(self.fingerprint)
-                known = self.store.get_meta(name)
-                if known is None or not isinstance(known.get("failed"), list):
-                    known = {"failed": gate.failing_methods(self.blender, self.tokenizer), "model": self.name}
-                    self.store.put_meta(name, known)
-                self._gate_failed = [str(m) for m in known["failed"]]
+                self._gate_failed = gate.verdict(self.store, self.blender, self.tokenizer, "torch", self.name)
                 if self._gate_failed:
                     warnings.warn(f"{self.name}: methods {', '.join(self._gate_failed)} do not reproduce full "
                                   "prefill at recompute_ratio=1 on the built-in check; serving full prefill only",

@@ -29,8 +29,20 @@ LOGIT_TOL = {torch.float32: dict(atol=1e-3, rtol=1e-4), torch.bfloat16: dict(ato
 CHECKED = tuple(m for m in METHODS if m not in ("full", "reuse"))
 
 
-def meta_name(fingerprint: str) -> str:
-    return f"gate-v{GATE_VERSION}-{fingerprint[:48]}"
+def meta_name(fingerprint: str, backend: str = "torch") -> str:
+    """The store metadata entry of one model's verdict on one engine type (their modules differ)."""
+    return f"gate-v{GATE_VERSION}-{backend}-{fingerprint[:40]}"
+
+
+def verdict(store, blender, tokenizer, backend: str, model: str) -> list[str]:
+    """The methods that failed the gate for ``blender``'s model on this engine type: remembered in
+    ``store``, else checked now and remembered."""
+    name = meta_name(blender.fingerprint, backend)
+    known = store.get_meta(name)
+    if known is None or not isinstance(known.get("failed"), list):
+        known = {"failed": failing_methods(blender, tokenizer), "model": model, "backend": backend}
+        store.put_meta(name, known)
+    return [str(m) for m in known["failed"]]
 
 
 def failing_methods(blender, tokenizer) -> list[str]:
@@ -46,16 +58,22 @@ def failing_methods(blender, tokenizer) -> list[str]:
     prompt = RAGPrompt(chunks=list(CHUNKS), question=QUESTION)
     tokens = render(prompt, tokenizer)
 
-    def first_logits(method: str) -> torch.Tensor:
+    def run(method: str) -> tuple[torch.Tensor | None, KVCache]:
         stats = GenerationStats(method=method, prompt_tokens=len(tokens))
         reuse = ReuseConfig(method=method, recompute_ratio=1.0)
-        return probe.blend(tokens, KVCache.empty(probe.ops, len(tokens)), reuse, stats, prompt=prompt).logits
+        cache = KVCache.empty(probe.ops, len(tokens))
+        return probe.blend(tokens, cache, reuse, stats, prompt=prompt).logits, cache
 
-    full = first_logits("full")
+    full_logits, full_cache = run("full")
     tol = LOGIT_TOL.get(probe.ops.dtype, LOGIT_TOL[torch.bfloat16])
     failed = []
     for method in CHECKED:
-        got = first_logits(method)
-        if int(got.argmax()) != int(full.argmax()) or not torch.allclose(got, full, **tol):
+        logits, cache = run(method)
+        if full_logits is not None:
+            ok = int(logits.argmax()) == int(full_logits.argmax()) and torch.allclose(logits, full_logits, **tol)
+        else:   # an engine that samples the last token itself (vLLM): the prompt's whole KV must match
+            ok = all(torch.allclose(a.float(), b.float(), **tol)
+                     for a, b in ((cache.k, full_cache.k), (cache.v, full_cache.v)))
+        if not ok:
             failed.append(method)
     return failed

@@ -349,7 +349,7 @@ def test_the_gate_passes_on_a_real_model_and_is_remembered_in_the_store(smollm2,
         warnings.simplefilter("error")                              # no "serving full prefill only"
         out = engine.generate(RAGPrompt(chunks=CHUNKS, question=QUESTION), max_new_tokens=2)
     assert out.stats.method == "qattn"
-    assert store.get_meta(gate.meta_name(engine.fingerprint))["failed"] == []
+    assert store.get_meta(gate.meta_name(engine.fingerprint, "torch"))["failed"] == []
     # the prompt's chunks (misses, stored), and none of the gate's own: it checks in a private store
     assert sorted(store.keys()) == sorted(chunk_key(engine.fingerprint, _ids(engine, c)) for c in CHUNKS)
 
@@ -379,6 +379,6 @@ def test_a_method_that_fails_the_gate_makes_the_engine_serve_full_prefill_only(s
     with pytest.warns(UserWarning, match="epic do not reproduce full prefill.*serving full prefill only"):
         out = engine.generate(prompt, max_new_tokens=6, reuse=ReuseConfig(method="qattn"))
     assert out.stats.method == "full" and out.stats.reused_tokens == 0 and out.token_ids == full.token_ids
-    assert engine.store.get_meta(gate.meta_name(engine.fingerprint))["failed"] == ["epic"]
+    assert engine.store.get_meta(gate.meta_name(engine.fingerprint, "torch"))["failed"] == ["epic"]
     assert SpecCacheEngine(*smollm2, store="memory://", gate=False).generate(
         prompt, max_new_tokens=1).stats.method == "qattn"

@@ -1,5 +1,11 @@
 """Distributed precompute on Ray Data (local Ray, 2 CPUs): idempotent, skips what the store holds."""
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -8,6 +14,33 @@ ray = pytest.importorskip("ray", reason="the 'ray' extra is not installed: pip i
 from speccache_rag.cli import main as cli  # noqa: E402
 from speccache_rag.data import demo_dir  # noqa: E402
 from speccache_rag.store import DiskStore, admin  # noqa: E402
+
+
+@pytest.mark.timeout(900)
+def test_a_ray_precompute_killed_halfway_leaves_a_consistent_store_and_the_rerun_computes_only_the_rest(tmp_path):
+    """`kill -9` of the whole job (driver, its local Ray cluster, the actors) while entries are being
+    written; runs first, before this module's own Ray instance exists, so the job has its own cluster."""
+    store = tmp_path / "kv"
+    cmd = [str(Path(sys.executable).parent / "speccache-rag"), "precompute", str(demo_dir()), "--store", str(store),
+           "--target", "smollm2-135m", "--ray", "--dtype", "float32"]
+    job = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while len(list(store.rglob("*.safetensors"))) < 3:
+        assert job.poll() is None and time.time() < deadline, "the Ray precompute ended before it could be killed"
+        time.sleep(0.1)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    time.sleep(3)                                       # anything still alive would go on writing
+    before = set(DiskStore(store).keys())
+    assert len(before) >= 3 and set(DiskStore(store).keys()) == before
+    assert admin.verify(DiskStore(store)).ok            # whole entries only: never one half-written
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    m = re.search(r"(\d+) chunks: (\d+) new, (\d+) already stored, 0 failed", rerun.stdout)
+    assert m, rerun.stdout[-2000:]
+    total, new, stored = (int(g) for g in m.groups())
+    assert stored == len(before) and new == total - len(before) > 0
+    assert len(DiskStore(store).keys()) == total and admin.verify(DiskStore(store)).ok
 
 
 @pytest.fixture(scope="module")

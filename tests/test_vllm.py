@@ -333,6 +333,33 @@ def test_concurrent_requests_with_different_chunk_sets_blend_in_one_step(engine)
 
 
 @needs_vllm
+def test_the_gate_checks_every_method_over_vllms_modules_and_is_remembered(engine, kv_dir, monkeypatch):
+    from speccache_rag import gate
+    from speccache_rag.models import load
+    from speccache_rag.prompt import sink_token_ids
+    from speccache_rag.selection import SELECTORS
+    from speccache_rag.vllm.blend import PagedBlender
+    from speccache_rag.vllm.models import current_model
+
+    path, _ = kv_dir
+    verdict = DiskStore(path).get_meta(gate.meta_name(engine.fingerprint, "vllm"))
+    assert verdict["failed"] == [] and verdict["backend"] == "vllm"            # the worker ran it at start-up
+    real = SELECTORS["epic"]
+
+    def broken(ops, cache, sel, always):          # a subtly wrong implementation (vLLM's blend has no logits)
+        logits, recomputed = real(ops, cache, sel, always)
+        cache.v.add_(0.05 * torch.randn_like(cache.v))
+        return logits, recomputed
+
+    monkeypatch.setitem(SELECTORS, "epic", broken)
+    blender = PagedBlender(current_model(), engine.tokenizer, MemoryStore(), engine.fingerprint,
+                           sink_token_ids(engine.tokenizer), lambda: load(engine.model_dir, dtype="float32"))
+    assert blender.check_gate("smollm2") == ["epic"]
+    assert blender.gated(ReuseConfig(method="qattn")).method == "full"
+    assert blender._draft is None                                             # loaded for the check, let go
+
+
+@needs_vllm
 def test_a_failing_blend_is_recomputed_by_vllm_never_served(engine, prompt, full, monkeypatch):
     from speccache_rag.vllm.blend import PagedBlender
 

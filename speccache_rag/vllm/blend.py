@@ -28,6 +28,22 @@ class PagedBlender:
         self.ops, self.tokenizer, self.fill_misses = VllmLayers(model), tokenizer, fill_misses
         self._draft_loader, self._draft = draft_loader, None
         self.core = Blender(self.ops, store, fingerprint, sink_ids, draft=self.draft)
+        self.gate_failed: list[str] = []          # methods this model failed the correctness gate with
+
+    def check_gate(self, model_name: str) -> list[str]:
+        """Run (or read from the store) the correctness gate over vLLM's modules; → the failed methods.
+        A draft loaded only for the check is let go again."""
+        from ..gate import verdict
+
+        had_draft = self._draft is not None
+        self.gate_failed = verdict(self.core.store, self.core, self.tokenizer, "vllm", model_name)
+        if not had_draft:
+            self._draft = None
+        return self.gate_failed
+
+    def gated(self, reuse: ReuseConfig) -> ReuseConfig:
+        """``reuse``, or full prefill where this model failed the gate."""
+        return ReuseConfig(method="full") if self.gate_failed and reuse.method != "full" else reuse
 
     def draft(self):
         if self._draft is None:
@@ -63,6 +79,8 @@ class PagedBlender:
             self._store_precomputed(tokens, cache, stats)
             return stats
         keys = {int(sp[0]): sp[2] for sp in spans if len(sp) > 2}
+        reuse = self.gated(reuse)
+        stats.method = reuse.method
         blended = self.core.blend(tokens, cache, reuse, stats, prompt=prompt, keys=keys)
         write_paged(self.ops, cache, slots)
         if self.fill_misses:

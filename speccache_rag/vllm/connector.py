@@ -108,6 +108,7 @@ class Options:
     min_chunk_tokens: int = 8            # shortest chunk the content lookup finds
     max_blends_per_step: int = 0         # 0: every waiting request blends in the same engine step;
                                          # N: at most N per step (earlier first tokens, same work)
+    gate: bool = True                    # the correctness gate at start-up (gate.py), verdict kept in the store
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "Options":
@@ -411,9 +412,14 @@ class SpecCacheConnector(KVConnectorBase_V1):
                 logger.info("SpecCache: loading draft model %s", draft_name)
                 return load(draft_name, dtype=dtype)
 
-            self._blender = PagedBlender(model, tokenizer, self.store, self.fingerprint,
-                                    sink_token_ids(tokenizer, self.options.sink), load_draft,
-                                    fill_misses=self.options.fill_misses)
+            blender = PagedBlender(model, tokenizer, self.store, self.fingerprint,
+                                   sink_token_ids(tokenizer, self.options.sink), load_draft,
+                                   fill_misses=self.options.fill_misses)
+            if self.options.gate and blender.check_gate(self.model_dir):
+                logger.warning("SpecCache: methods %s do not reproduce full prefill at recompute_ratio=1 on the "
+                               "built-in check with this model; every request is served by full prefill",
+                               ", ".join(blender.gate_failed))
+            self._blender = blender
             logger.info("SpecCache connector ready: store=%s draft=%s method=%s ratio=%s", self.store_url,
                         self.options.draft or "(target)", self.options.method, self.options.recompute_ratio)
         except Exception as e:

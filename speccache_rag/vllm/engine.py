@@ -283,7 +283,7 @@ class VllmSpecCacheEngine(StreamingEngine):
         # the worker's statistics of the blend; none for full prefill, or a fallback to it (vLLM computed every token)
         stats = GenerationStats.from_dict(report) if report else GenerationStats(p.method, p.prompt_tokens,
                                                                                    recomputed_tokens=p.prompt_tokens)
-        stats.method, stats.prompt_tokens, stats.dtype = p.method, p.prompt_tokens, self.dtype
+        stats.prompt_tokens, stats.dtype = p.prompt_tokens, self.dtype     # method: the worker's (the gate may say full)
         stats.generated_tokens, stats.ttft_s, stats.total_s = len(o.token_ids), p.ttft_s or 0.0, p.total_s
         first_logits = None
         if p.want_logits and o.logprobs:
