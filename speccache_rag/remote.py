@@ -155,6 +155,8 @@ class RemoteEngine(StreamingEngine):
                           temperature=0.0,
                           extra_body={"kv_transfer_params": {PARAMS_KEY: {"op": "info", "keys": keys}}})
         info = ((resp.model_extra or {}).get("kv_transfer_params") or {}).get(PARAMS_KEY)
+        if info and "error" in info:
+            raise RuntimeError(f"the SpecCache connector at {self.base_url} could not answer: {info['error']}")
         if not info or "fingerprint" not in info:
             raise RuntimeError(f"the server at {self.base_url} does not run the SpecCache KV connector "
                                "(start it with --kv-transfer-config; docs/deploy.md)")

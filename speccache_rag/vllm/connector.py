@@ -31,8 +31,8 @@ stored, not this model's, or whose tokens are not in the prompt is ignored with 
 fingerprint, the sink tokens, the defaults.
 
 The reused token count is what vLLM reports as the request's cached tokens
-(``usage.prompt_tokens_details.cached_tokens`` with ``--enable-prompt-tokens-details``, and the
-prefix-cache metrics), not the ``n - 1`` tokens the connector claims.
+(``usage.prompt_tokens_details.cached_tokens`` with ``--enable-prompt-tokens-details``), not the
+``n - 1`` tokens the connector claims (the scheduler's prefix-cache metrics still count those).
 """
 from __future__ import annotations
 
@@ -240,7 +240,10 @@ class SpecCacheConnector(KVConnectorBase_V1):
     def on_new_request(self, request: "Request") -> None:
         params = (request.kv_transfer_params or {}).get(PARAMS_KEY) or {}
         if isinstance(params, dict) and params.get("op") == "info":
-            self._notes[request.request_id] = self._info(params.get("keys") or [])
+            try:
+                self._notes[request.request_id] = self._info(params.get("keys") or [])
+            except Exception as e:  # answered, never fatal: the client names the error
+                self._notes[request.request_id] = {"error": f"{type(e).__name__}: {e}"}
             return
         if self.unsupported:
             return
@@ -378,7 +381,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
         serialized only after it returns, so correcting the object now corrects what clients see.
         """
         stats = self._prefill_stats.pop(req_id, None)
-        if stats is None or report.get("method") == "precompute":
+        if stats is None:
             return
         reused = min(int(report.get("reused_tokens", 0)), stats.num_prompt_tokens)
         stats.num_cached_tokens = stats.num_external_cached_tokens = reused
