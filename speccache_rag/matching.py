@@ -81,7 +81,7 @@ class ChunkTextIndex:
     def __init__(self):
         self._tails: dict[str, list[str]] = {}      # last ANCHOR_CHARS characters → chunk texts
         self._texts: set[str] = set()
-        self._keys: dict[str, str] = {}             # text → store key, where known
+        self._keys: dict[str, list[str]] = {}       # text → store keys (one per model), where known
         self._synced: set[str] = set()              # store keys already read
         self._lock = threading.Lock()
 
@@ -103,15 +103,24 @@ class ChunkTextIndex:
                 text = text.strip() if isinstance(text, str) else ""
                 if key is not None:
                     self._synced.add(key)
-                    if text:
-                        self._keys[text] = key
+                    if text and key not in self._keys.setdefault(text, []):
+                        self._keys[text].append(key)
                 if len(text) >= ANCHOR_CHARS and text not in self._texts:
                     self._texts.add(text)
                     self._tails.setdefault(text[-ANCHOR_CHARS:], []).append(text)
 
-    def key(self, text: str) -> str | None:
-        """The store key of a chunk text, where precompute or the store's text index told it."""
-        return self._keys.get(text.strip())
+    def keys(self, text: str) -> list[str]:
+        """The store keys of a chunk text (one per model that stored it), where precompute or the
+        store's text index told them."""
+        with self._lock:
+            return list(self._keys.get(text.strip(), ()))
+
+    def forget(self, key: str) -> None:
+        """Drop a key that turned out not to serve (a server said so); the text stays known."""
+        with self._lock:
+            for keys in self._keys.values():
+                if key in keys:
+                    keys.remove(key)
 
     def sync(self, store) -> int:
         """Learn the texts of store entries added since the last sync (by any process); → how many."""

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from .config import ReuseConfig
 from .kv import chunk_key
+from .matching import chunk_index
 from .output import GenerationOutput, GenerationStats, GenerationStream, StreamingEngine
 from .prompt import RAGPrompt
 
@@ -102,21 +103,21 @@ class RemoteEngine(StreamingEngine):
         self.last_precompute: PrecomputeSummary | None = None
 
     # ---- what the server is ----------------------------------------------------------------------
+    def _unreachable(self, e: Exception) -> ServerUnavailable:
+        return ServerUnavailable(f"the SpecCache server at {self.base_url} is unreachable ({e}); "
+                                 "is `vllm serve` running there? (docs/deploy.md)")
+
     def _call(self, fn, *args, **kwargs):
-        openai = _openai()
         try:
             return fn(*args, **kwargs)
-        except (openai.APIConnectionError, openai.APITimeoutError) as e:
-            raise ServerUnavailable(f"the SpecCache server at {self.base_url} is unreachable ({e}); "
-                                    "is `vllm serve` running there? (docs/deploy.md)") from e
+        except _openai().APIConnectionError as e:       # timeouts included
+            raise self._unreachable(e) from e
 
     async def _acall(self, coro):
-        openai = _openai()
         try:
             return await coro
-        except (openai.APIConnectionError, openai.APITimeoutError) as e:
-            raise ServerUnavailable(f"the SpecCache server at {self.base_url} is unreachable ({e}); "
-                                    "is `vllm serve` running there? (docs/deploy.md)") from e
+        except _openai().APIConnectionError as e:
+            raise self._unreachable(e) from e
 
     def _aclient(self):
         loop = asyncio.get_running_loop()
@@ -190,7 +191,7 @@ class RemoteEngine(StreamingEngine):
                            headers={"Authorization": f"Bearer {self._api_key or 'EMPTY'}"},
                            json={"model": self.name, "prompt": text, "add_special_tokens": False})
         except httpx.TransportError as e:
-            raise ServerUnavailable(f"the SpecCache server at {self.base_url} is unreachable ({e})") from e
+            raise self._unreachable(e) from e
         r.raise_for_status()
         return list(r.json()["tokens"])
 
@@ -243,8 +244,6 @@ class RemoteEngine(StreamingEngine):
     # ---- queries -----------------------------------------------------------------------------------
     def _request(self, prompt: RAGPrompt, max_new_tokens: int, reuse: ReuseConfig | None, temperature: float,
                  top_p: float, stop, seed, return_first_logits: bool, offload) -> tuple[dict, str]:
-        from .matching import chunk_index
-
         if offload is not None:
             raise ValueError("offloaded decoding runs in-process only (backend='torch'); the server decodes "
                              "with vLLM's own attention (docs/vllm.md)")
@@ -253,7 +252,7 @@ class RemoteEngine(StreamingEngine):
         if not isinstance(prompt, RAGPrompt):
             raise TypeError(f"prompt must be a RAGPrompt, got {type(prompt).__name__}")
         index = chunk_index(self)
-        keys = [k for k in (index.key(t) for t in prompt.chunks) if k]
+        keys = [k for t in prompt.chunks for k in index.keys(t)]
         params: dict = {"tag": uuid.uuid4().hex}
         if reuse is not None:
             params.update(method=reuse.method, recompute_ratio=reuse.recompute_ratio,
@@ -291,6 +290,9 @@ class RemoteEngine(StreamingEngine):
         elapsed = time.perf_counter() - start
         choice = resp.choices[0]
         report = ((resp.model_extra or {}).get("kv_transfer_params") or {}).get(PARAMS_KEY) or {}
+        for item in report.get("ignored", ()):
+            logger.warning("SpecCache server ignored chunk id %s: %s", str(item.get("key"))[:16], item.get("reason"))
+            chunk_index(self).forget(str(item.get("key")))       # not sent again
         stats = _stats(method, resp.usage, report, elapsed, elapsed)
         return GenerationOutput(choice.message.content or "", [], stats, _finish(choice.finish_reason),
                                 usage=_plain(resp.usage))
@@ -375,8 +377,6 @@ def _finish(reason: str | None) -> str:
 
 def _stats(method: str, usage, report: dict, ttft: float, total: float) -> GenerationStats:
     """Statistics from the server's report where it sent one, else from its usage block."""
-    for item in report.get("ignored", ()):
-        logger.warning("SpecCache server ignored chunk id %s: %s", item.get("key", "?")[:16], item.get("reason"))
     stats = GenerationStats.from_dict(report) if "prompt_tokens" in report else GenerationStats(method, 0)
     stats.method = method
     if usage is not None:

@@ -210,6 +210,7 @@ def test_wrong_and_stale_chunk_ids_are_ignored_with_a_warning(server, demo_docs,
     full = engine.generate(prompt, max_new_tokens=12, reuse=ReuseConfig(method="full"))
     assert out.text == full.text
     assert "chunk id 0000000000000000 ignored" in log.read_text()
+    assert index.keys(texts[0]) == [] and index.keys(texts[1]) == []      # ids the server refused: forgotten
     index.add(texts[:2], keys[:2])                     # the right ids: both placed
     good = engine.generate(prompt, max_new_tokens=12, reuse=ReuseConfig(recompute_ratio=0.15))
     assert good.stats.cache_hits == 2 and good.usage["prompt_tokens_details"]["cached_tokens"] == \
