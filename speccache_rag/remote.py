@@ -206,7 +206,8 @@ class RemoteEngine(StreamingEngine):
             if not isinstance(t, str) or not t.strip():
                 raise ValueError("cannot precompute an empty chunk")
         sink = self.info()["sink_ids"]
-        ids_of = [self.tokenize(t) for t in texts]
+        with ThreadPoolExecutor(PRECOMPUTE_IN_FLIGHT) as pool:
+            ids_of = list(pool.map(self.tokenize, texts))
         for ids in ids_of:
             if len(sink) + len(ids) + 1 > self.context_window:
                 raise ValueError(f"chunk of {len(ids)} tokens exceeds the server's context window "
