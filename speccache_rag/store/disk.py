@@ -94,15 +94,20 @@ class DiskStore(KVStore):
         except FileNotFoundError:
             return None
 
+    def entry_meta(self, key: str) -> dict | None:
+        """An entry's JSON metadata from the file's header only (no tensors read); None when the entry
+        vanished, is torn or is not ours."""
+        try:
+            with open(self.path(key), "rb") as f:
+                head = f.read(8)
+                return read_meta(head + f.read(min(int.from_bytes(head, "little"), HEADER_LIMIT)))
+        except (OSError, CorruptEntry):
+            return None
+
     def texts(self, keys: list[str]) -> dict[str, str]:
         out = {}
-        for key in keys:                      # the header only: no tensors read
-            try:
-                with open(self.path(key), "rb") as f:
-                    head = f.read(8)
-                    text = read_meta(head + f.read(min(int.from_bytes(head, "little"), HEADER_LIMIT))).get("text")
-            except (OSError, CorruptEntry):   # vanished, torn or foreign: not a known chunk
-                continue
+        for key in keys:
+            text = (self.entry_meta(key) or {}).get("text")
             if isinstance(text, str):
                 out[key] = text
         return out

@@ -89,15 +89,8 @@ def shared_store(spec: str | KVStore) -> tuple[KVStore, str]:
 def peek_token_ids(store: KVStore, key: str) -> list[int] | None:
     """A stored entry's token ids, reading only the safetensors header where the store is a directory."""
     if isinstance(store, DiskStore):
-        try:
-            with open(store.path(key), "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                if not 0 < n < 1 << 26:
-                    return None
-                header = json.loads(f.read(n))
-            return list(json.loads(header["__metadata__"]["json"])["token_ids"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        ids = (store.entry_meta(key) or {}).get("token_ids")
+        return list(ids) if isinstance(ids, list) else None
     entry = store.get(key)
     return None if entry is None else list(entry.token_ids)
 
@@ -159,7 +152,6 @@ class StoredChunkIndex:
                 found.append((i, i + best_len, best))
                 i += best_len
         return found
-
 
     def place(self, prompt: list[int], keys: list[str]) -> tuple[list[tuple[int, int, str]], list[tuple[str, str]]]:
         """Where the chunks a client named by key are in ``prompt``: ``(placed, ignored)``.
