@@ -70,6 +70,7 @@ class PagedBlender:
         (then [start, end) may be a prefix of that entry's tokens). precompute: the request is
         [sink] + chunk + one token, whose chunk KV is stored."""
         tokens, prompt = self.tokens(token_ids, spans, prompt)
+        reuse = self.gated(reuse)
         stats = GenerationStats(method="precompute" if precompute else reuse.method, prompt_tokens=len(tokens),
                                 dtype=dtype_name(self.ops.dtype))
         cache = KVCache.empty(self.ops, len(tokens), keep_pre_rope=precompute)
@@ -79,8 +80,6 @@ class PagedBlender:
             self._store_precomputed(tokens, cache, stats)
             return stats
         keys = {int(sp[0]): sp[2] for sp in spans if len(sp) > 2}
-        reuse = self.gated(reuse)
-        stats.method = reuse.method
         blended = self.core.blend(tokens, cache, reuse, stats, prompt=prompt, keys=keys)
         write_paged(self.ops, cache, slots)
         if self.fill_misses:

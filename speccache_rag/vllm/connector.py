@@ -248,7 +248,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
         if self.unsupported:
             return
         try:
-            plan = self._plan(request)
+            plan = self._plan(request, params)
         except Exception as e:  # a bad hint or option never fails the request: plain prefill
             self._warn_once(f"request {request.request_id}: {e}; plain prefill")
             return
@@ -262,8 +262,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
             request.block_hashes = []
             request.update_block_hashes()
 
-    def _plan(self, request: "Request") -> dict | None:
-        params = (request.kv_transfer_params or {}).get(PARAMS_KEY) or {}
+    def _plan(self, request: "Request", params) -> dict | None:
         if not isinstance(params, dict):
             raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}] must be an object")
         ids = list(request.prompt_token_ids or [])
