@@ -167,11 +167,13 @@ class RemoteEngine(StreamingEngine):
             self._info = info
         return info
 
+    def _facts(self) -> dict:
+        """``info()`` without keys, asked once."""
+        return self._info if self._info is not None else self.info()
+
     @property
     def fingerprint(self) -> str:
-        if self._info is None:
-            self.info()
-        return self._info["fingerprint"]
+        return self._facts()["fingerprint"]
 
     def check_engine(self, engine) -> None:
         """Refuse a local engine whose KV the server would never read (another model, dtype or sink)."""
@@ -205,7 +207,7 @@ class RemoteEngine(StreamingEngine):
         for t in texts:
             if not isinstance(t, str) or not t.strip():
                 raise ValueError("cannot precompute an empty chunk")
-        sink = self.info()["sink_ids"]
+        sink = self._facts()["sink_ids"]
         with ThreadPoolExecutor(PRECOMPUTE_IN_FLIGHT) as pool:
             ids_of = list(pool.map(self.tokenize, texts))
         for ids in ids_of:
