@@ -211,10 +211,13 @@ class SpecCacheLLM(LLM):
     def _generate(self, messages: List[dict], kwargs: Dict[str, Any]) -> CompletionResponse:
         return self._final(generate_text(self.engine, messages, self._hints(), **self._generate_kwargs(kwargs)))
 
+    async def _aengine(self) -> Any:
+        """The engine, loaded in a worker thread on first use so that the event loop keeps running."""
+        return self._engine or await asyncio.to_thread(lambda: self.engine)
+
     async def _agenerate(self, messages: List[dict], kwargs: Dict[str, Any]) -> CompletionResponse:
         gen_kwargs = self._generate_kwargs(kwargs)
-        engine = self._engine or await asyncio.to_thread(lambda: self.engine)   # first call loads the model
-        return self._final(await agenerate_text(engine, messages, self._hints(), **gen_kwargs))
+        return self._final(await agenerate_text(await self._aengine(), messages, self._hints(), **gen_kwargs))
 
     def _final(self, out: GenerationOutput) -> CompletionResponse:
         self._last_stats.stats = out.stats
@@ -238,7 +241,7 @@ class SpecCacheLLM(LLM):
     async def _arun(self, messages: List[dict], kwargs: Dict[str, Any]) -> AsyncIterator[CompletionResponse]:
         text = ""
         gen_kwargs = self._generate_kwargs(kwargs)
-        engine = self._engine or await asyncio.to_thread(lambda: self.engine)   # first call loads the model
+        engine = await self._aengine()
         hints = self._hints()
         async for item in astream_text(engine, messages, hints, **gen_kwargs):
             if isinstance(item, str):
