@@ -8,6 +8,7 @@ import torch
 from speccache_rag.bench.data import (TASKS, load_longbench, make_example, prose_paragraphs, split_passages,
                                       synthetic)
 from speccache_rag.bench.methods import parse_method
+from speccache_rag.config import ReuseConfig
 from speccache_rag.bench.metrics import (exact_match, f1_score, first_token_fidelity, normalize_answer, rouge_l,
                                          string_match, task_scores)
 from speccache_rag.bench.suites import SUITES, SWEEP, get_suite
@@ -87,7 +88,10 @@ def test_method_names():
     assert parse_method("static@0.1").reuse_config().method == "norm"      # the norm family's spans and map
     assert parse_method("norm@0.15").uses_draft and parse_method("norm@0.15").reuse_config().method == "norm"
     assert parse_method("deviation@0.2").uses_draft and not parse_method("cacheblend@0.2").uses_draft
-    for bad in ("nope", "speccache@2", "epic-kx", "speccache"):
+    auto = parse_method("qattn@auto:0.9").reuse_config()
+    assert (auto.recompute_ratio, auto.auto_mass) == ("auto", 0.9)
+    assert parse_method("qattn@auto").reuse_config().auto_mass == ReuseConfig().auto_mass
+    for bad in ("nope", "speccache@2", "epic-kx", "speccache", "qattn@auto:0", "qattn@auto:x", "norm@auto:0.5"):
         with pytest.raises(ValueError):
             parse_method(bad)
 

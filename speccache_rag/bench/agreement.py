@@ -36,7 +36,7 @@ def agreement(target_capture: dict[int, torch.Tensor], target_layers: int, targe
               tokenizer=None, fraction: float = 0.2, deep_fraction: float = 1 / 3) -> dict:
     cand = torch.cat([torch.arange(s.start, s.end) for s in target_tokens.chunk_segments()])
     t_deep = deep_layer_norms(target_capture, target_layers, deep_fraction)
-    t_l0 = target_capture[0].norm(dim=-1)
+    t_l0 = target_capture[0].float().norm(dim=-1)
     d_deep = draft_scores_on_target(deep_layer_norms(draft_capture, draft_layers, deep_fraction),
                                     draft_tokens, target_tokens)
     ref = _top(t_deep, cand, fraction)

@@ -41,6 +41,7 @@ class MethodSpec:
     family: str                 # full, reuse, or one of FAMILIES
     ratio: float | str | None   # nominal recompute ratio (None: full, reuse, epic-kK; "auto")
     epic_k: int | None = None
+    auto_mass: float | None = None   # "FAMILY@auto:M": ReuseConfig.auto_mass (None: its default)
 
     @property
     def uses_draft(self) -> bool:
@@ -54,11 +55,12 @@ class MethodSpec:
         if self.family == "epic" and self.epic_k is not None:
             return ReuseConfig(method="epic", epic_k=self.epic_k, recompute_ratio=1.0)
         engine_method = "norm" if self.family in EXPERIMENTS else self.family
-        return ReuseConfig(method=engine_method, recompute_ratio=self.ratio)
+        mass = {} if self.auto_mass is None else {"auto_mass": self.auto_mass}
+        return ReuseConfig(method=engine_method, recompute_ratio=self.ratio, **mass)
 
 
 def parse_method(name: str) -> MethodSpec:
-    """``"speccache@0.15"`` → MethodSpec; raises ValueError with the accepted forms."""
+    """``"speccache@0.15"`` or ``"qattn@auto:0.9"`` → MethodSpec; raises ValueError with the accepted forms."""
     if name in ("full", "reuse"):
         return MethodSpec(name, name, None)
     if name.startswith("epic-k"):
@@ -68,8 +70,13 @@ def parse_method(name: str) -> MethodSpec:
             pass
     if "@" in name:
         family, _, r = name.partition("@")
-        if family in AUTO_METHODS and r == "auto":
-            return MethodSpec(name, family, "auto")
+        if family in AUTO_METHODS and (r == "auto" or r.startswith("auto:")):
+            try:
+                mass = float(r[5:]) if r != "auto" else None
+            except ValueError:
+                mass = -1.0
+            if mass is None or 0.0 < mass <= 1.0:
+                return MethodSpec(name, family, "auto", auto_mass=mass)
         if family in FAMILIES:
             try:
                 ratio = float(r)
@@ -78,7 +85,7 @@ def parse_method(name: str) -> MethodSpec:
             if 0.0 <= ratio <= 1.0:
                 return MethodSpec(name, family, ratio)
     raise ValueError(f"unknown bench method {name!r}; use full, reuse, epic-kK, or FAMILY@R with FAMILY in "
-                     f"{', '.join(FAMILIES)} and R in [0, 1] (or R = auto for {', '.join(AUTO_METHODS)})")
+                     f"{', '.join(FAMILIES)} and R in [0, 1] (or R = auto or auto:MASS, MASS in (0, 1], for {', '.join(AUTO_METHODS)})")
 
 
 def deep_layers(ops, fraction: float) -> range:

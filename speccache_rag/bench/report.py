@@ -18,6 +18,8 @@ REPORT = "report.md"
 def _fmt(x, nd: int = 3, pct: bool = False) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
+    if isinstance(x, str):          # a nominal ratio of "auto"
+        return x
     if pct:
         return f"{100 * x:.1f} %"
     return f"{x:.{nd}f}"

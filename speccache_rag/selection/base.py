@@ -79,6 +79,7 @@ def top_positions(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> tor
 
 
 def deep_layer_norms(capture: dict[int, torch.Tensor], num_layers: int, fraction: float) -> torch.Tensor:
-    """Mean L2 norm of the residual stream over the last ``fraction`` of layers → [N]."""
+    """Mean L2 norm of the residual stream over the last ``fraction`` of layers → [N], float32 (bfloat16
+    norms of similar tokens tie)."""
     first = num_layers - max(1, round(num_layers * fraction))
-    return torch.stack([capture[i].norm(dim=-1) for i in range(first, num_layers)]).mean(0)
+    return torch.stack([capture[i].float().norm(dim=-1) for i in range(first, num_layers)]).mean(0)
