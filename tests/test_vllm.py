@@ -124,11 +124,13 @@ def _unpin():
 
 @pytest.fixture(scope="module")
 def kv_dir(tmp_path_factory):
-    """A directory store with every chunk precomputed by the *torch* backend."""
+    """A directory store with every chunk precomputed by the *torch* backend, in float32: the server and
+    the in-process engine compute in float32 too, so the two backends' KV can be compared at float32
+    tolerance (and share one key) whatever dtype "auto" picks on this machine."""
     from speccache_rag import SpecCacheEngine
 
     path = tmp_path_factory.mktemp("kv")
-    torch_engine = SpecCacheEngine.from_pretrained("smollm2-135m", store=str(path))
+    torch_engine = SpecCacheEngine.from_pretrained("smollm2-135m", store=str(path), dtype="float32")
     torch_engine.precompute(CHUNKS[:2])                  # the third chunk: computed through vLLM below
     return path, torch_engine
 
@@ -193,7 +195,7 @@ def engine(kv_dir):
 
     path, _ = kv_dir
     eng = SpecCacheEngine.from_pretrained("smollm2-135m", store=str(path), backend="vllm", kv_cache_gib=1,
-                                          max_model_len=2048)
+                                          max_model_len=2048, dtype="float32")
     yield eng
     eng.close()
 
