@@ -252,3 +252,16 @@ def test_sign_test_and_paired_counts():
                                ("b", 1, 0.0, 0.3), ("b", 2, 0.0, 0.4), ("b", 3, 1.0, 0.2), ("b", 4, 1.0, 0.0)]]
     assert paired(rows, "a", "b", "score") == (1, 0, 3)               # example 4 is b's alone: not paired
     assert paired(rows, "a", "b", "kl", lower_is_better=True) == (1, 1, 3)
+
+
+def test_paired_permutation_test_of_the_mean():
+    from speccache_rag.bench.report import mean_diff_p, paired_diffs
+
+    assert mean_diff_p([1.0] * 12) == pytest.approx(2 / 2 ** 12, abs=5e-4)   # only the all-same signs are as far
+    assert mean_diff_p([1.0, -1.0] * 10) == 1.0 and mean_diff_p([]) == 1.0 and mean_diff_p([0.0, 0.0]) == 1.0
+    # seven large wins, five small losses: the sign test (7/5, p = 0.77) only counts, the mean test sees size
+    d = [1.0, 1.0, 1.0, -0.05, -0.05, -0.05, -0.05, -0.05, 1.0, 1.0, 1.0, 1.0]
+    assert mean_diff_p(d) < 0.05
+    rows = [{"method": m, "example": e, "kl": k} for m, e, k in [("a", 1, 0.1), ("a", 2, 0.5), ("b", 1, 0.3),
+                                                                   ("b", 2, 0.4)]]
+    assert paired_diffs(rows, "a", "b", "kl", lower_is_better=True) == pytest.approx([0.2, -0.1])
