@@ -159,8 +159,12 @@ def test_bench_quick_cli_writes_a_well_formed_report(tmp_path):
     assert full_ttft["ratio_to_full"] == 1.0 and len(full_ttft["ttft_s"]) == 1
 
     md = (out / "report.md").read_text()
-    table = _table_rows(md, "| method | recomputed | task score | F1 |")
+    table = _table_rows(md, "| method | recomputed | task score | % of full | normalized | F1 |")
     assert len(table) == 2 + 10
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table[2:]}
+    full_score, reuse_score = (sum(r["score"] for r in quality if r["method"] == m) for m in ("full", "reuse"))
+    assert cells["full"][2] == ("100.0 %" if full_score else "–")
+    assert (cells["full"][3], cells["reuse"][3]) == (("1.00", "0.00") if full_score != reuse_score else ("–", "–"))
     assert all(line.count("|") == table[0].count("|") for line in table)
     assert "### Time to first token" in md and "### Agreement analysis" in md
     both = _table_rows(md, "| method | recomputed | task score | aggregate |")       # one target, both drafts

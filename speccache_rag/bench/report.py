@@ -76,9 +76,10 @@ def ttft_summary(rows: list[dict]) -> dict[str, dict]:
 
 
 def _headline_table(summary: dict, ttft: dict, methods: list[str]) -> list[str]:
-    lines = ["| method | recomputed | task score | F1 | KL(full ‖ m) | KL gap closed | top-1 agree | cont. ROUGE-L "
-             "| same cont. | TTFT / full | speedup |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| method | recomputed | task score | % of full | normalized | F1 | KL(full ‖ m) | KL gap closed "
+             "| top-1 agree | cont. ROUGE-L | same cont. | TTFT / full | speedup |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    full, reuse = summary.get("full", {}).get("score"), summary.get("reuse", {}).get("score")
     kl_reuse = summary.get("reuse", {}).get("kl")
     for m in methods:
         if m not in summary:
@@ -86,7 +87,11 @@ def _headline_table(summary: dict, ttft: dict, methods: list[str]) -> list[str]:
         s, t = summary[m], ttft.get(m, {})
         ratio = t.get("ratio")
         closed = 1 - s["kl"] / kl_reuse if kl_reuse else None
-        lines.append(f"| {m} | {_fmt(s['recompute_frac'], pct=True)} | {_fmt(s['score'])} | {_fmt(s['f1'])} | "
+        kept = s["score"] / full if full else None
+        # (S − S_reuse) / (S_full − S_reuse): 0 = naive reuse, 1 = full prefill
+        normalized = (s["score"] - reuse) / (full - reuse) if None not in (full, reuse) and full != reuse else None
+        lines.append(f"| {m} | {_fmt(s['recompute_frac'], pct=True)} | {_fmt(s['score'])} | {_fmt(kept, pct=True)} | "
+                     f"{_fmt(normalized, 2)} | {_fmt(s['f1'])} | "
                      f"{_fmt(s['kl'], 4)} | {_fmt(closed, pct=True)} | {_fmt(s['top1'], 2)} | {_fmt(s['cont_rougeL'])} | "
                      f"{_fmt(s['same_continuation'], 2)} | {_fmt(ratio)} | "
                      f"{_fmt(1 / ratio, 2) + '×' if ratio else '–'} |")
