@@ -70,22 +70,26 @@ def parse_method(name: str) -> MethodSpec:
             pass
     if "@" in name:
         family, _, r = name.partition("@")
-        if family in AUTO_METHODS and (r == "auto" or r.startswith("auto:")):
-            try:
-                mass = float(r[5:]) if r != "auto" else None
-            except ValueError:
-                mass = -1.0
-            if mass is None or 0.0 < mass <= 1.0:
-                return MethodSpec(name, family, "auto", auto_mass=mass)
-        if family in FAMILIES:
-            try:
-                ratio = float(r)
-            except ValueError:
-                ratio = -1.0
-            if 0.0 <= ratio <= 1.0:
-                return MethodSpec(name, family, ratio)
+        auto, colon, mass = r.partition(":")
+        if family in AUTO_METHODS and auto == "auto":
+            if not colon:
+                return MethodSpec(name, family, "auto")
+            value = _number(mass)
+            if value is not None and 0.0 < value <= 1.0:
+                return MethodSpec(name, family, "auto", auto_mass=value)
+        ratio = _number(r)
+        if family in FAMILIES and ratio is not None and 0.0 <= ratio <= 1.0:
+            return MethodSpec(name, family, ratio)
     raise ValueError(f"unknown bench method {name!r}; use full, reuse, epic-kK, or FAMILY@R with FAMILY in "
-                     f"{', '.join(FAMILIES)} and R in [0, 1] (or R = auto or auto:MASS, MASS in (0, 1], for {', '.join(AUTO_METHODS)})")
+                     f"{', '.join(FAMILIES)} and R in [0, 1] (or R = auto or auto:MASS with MASS in (0, 1], "
+                     f"for {', '.join(AUTO_METHODS)})")
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def deep_layers(ops, fraction: float) -> range:

@@ -111,9 +111,9 @@ SUITES: dict[str, Suite] = {
                     "of qattn and speccache and qattn's adaptive ratio at three score masses on the first 9 "
                     "(3 per task); TTFT interleaved on the first prompt (5 rounds after a warm-up). Answers "
                     "capped at 24 tokens (three names fit). Sized by measurement: "
-                    "~80 s per prompt for these methods in bfloat16 on 2 CPU cores, so ~2 h here; the 0.5B "
-                    "target and the Qwen-0.5B draft are separate parts (--pairs, same prompts: see "
-                    "docs/benchmarks.md).",
+                    "~95 s per prompt for these methods in bfloat16 on 2 CPU cores, so ~2.4 h here (run it in "
+                    "parts with --resume); the 0.5B target and the Qwen-0.5B draft are separate parts "
+                    "(--pairs, same prompts: see docs/benchmarks.md).",
         pairs=[(QWEN15, SMOL)], n_per_task=30, n_chunks=8, chunk_tokens=256,
         methods=["full", "reuse", "epic-k16", "cacheblend@0.15", "random@0.15", "qattn@0.15", "speccache@0.15",
                  "norm@0.15"],
