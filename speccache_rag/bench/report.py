@@ -75,21 +75,27 @@ def ttft_summary(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
+def _relative(summary: dict, m: str) -> tuple[float | None, float | None, float | None]:
+    """Method m against the bounds: (share of full's task score, normalized score (S − S_reuse) / (S_full −
+    S_reuse) — 0 = naive reuse, 1 = full prefill —, share of reuse's first-token KL gap closed)."""
+    s, full, reuse = summary[m], summary.get("full"), summary.get("reuse")
+    kept = s["score"] / full["score"] if full and full["score"] else None
+    normalized = ((s["score"] - reuse["score"]) / (full["score"] - reuse["score"])
+                  if full and reuse and full["score"] != reuse["score"] else None)
+    closed = 1 - s["kl"] / reuse["kl"] if reuse and reuse["kl"] else None
+    return kept, normalized, closed
+
+
 def _headline_table(summary: dict, ttft: dict, methods: list[str]) -> list[str]:
     lines = ["| method | recomputed | task score | % of full | normalized | F1 | KL(full ‖ m) | KL gap closed "
              "| top-1 agree | cont. ROUGE-L | same cont. | TTFT / full | speedup |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    full, reuse = summary.get("full", {}).get("score"), summary.get("reuse", {}).get("score")
-    kl_reuse = summary.get("reuse", {}).get("kl")
     for m in methods:
         if m not in summary:
             continue
         s, t = summary[m], ttft.get(m, {})
         ratio = t.get("ratio")
-        closed = 1 - s["kl"] / kl_reuse if kl_reuse else None
-        kept = s["score"] / full if full else None
-        # (S − S_reuse) / (S_full − S_reuse): 0 = naive reuse, 1 = full prefill
-        normalized = (s["score"] - reuse) / (full - reuse) if None not in (full, reuse) and full != reuse else None
+        kept, normalized, closed = _relative(summary, m)
         lines.append(f"| {m} | {_fmt(s['recompute_frac'], pct=True)} | {_fmt(s['score'])} | {_fmt(kept, pct=True)} | "
                      f"{_fmt(normalized, 2)} | {_fmt(s['f1'])} | "
                      f"{_fmt(s['kl'], 4)} | {_fmt(closed, pct=True)} | {_fmt(s['top1'], 2)} | {_fmt(s['cont_rougeL'])} | "
@@ -233,9 +239,7 @@ def _goals(summary: dict, rows: list[dict]) -> list[str]:
         s = summary.get(m)
         if not s:
             continue
-        closed = 1 - s["kl"] / reuse["kl"] if reuse["kl"] else None
-        norm = (s["score"] - reuse["score"]) / (full["score"] - reuse["score"]) if full["score"] != reuse["score"] else None
-        keep = s["score"] / full["score"] if full["score"] else None
+        keep, norm, closed = _relative(summary, m)
         out.append(f"- {m}: keeps {_fmt(keep, pct=True)} of full's task score, normalized score {_fmt(norm, 2)}, "
                    f"closes {_fmt(closed, pct=True)} of reuse's KL gap (goal ≥ {kl_goal:.0%}).")
         for b in ("cacheblend@0.15", "epic-k16"):
@@ -353,7 +357,6 @@ def _target_table(rows: list[dict], target: str, drafts: list[str], suite: dict)
         return []
     ttft = ttft_summary(relabel("ttft"))
     tasks = sorted({t for v in summary.values() for t in v["per_task"]})
-    kl_reuse = summary.get("reuse", {}).get("kl")
     lines = [f"### All drafts of `{target}` ({n} prompts)", "",
              "| method | recomputed | task score | " + " | ".join(tasks) + " | KL(full ‖ m) | KL gap closed | top-1 agree "
              "| TTFT / full | speedup |", "|---|" + "---:|" * (len(tasks) + 7)]
@@ -362,7 +365,7 @@ def _target_table(rows: list[dict], target: str, drafts: list[str], suite: dict)
             q, ratio = summary[m], ttft.get(m, {}).get("ratio")
             lines.append(f"| {m} | {_fmt(q['recompute_frac'], pct=True)} | {_fmt(q['score'])} | "
                          + " | ".join(_fmt(q["per_task"].get(t)) for t in tasks)
-                         + f" | {_fmt(q['kl'], 4)} | {_fmt(1 - q['kl'] / kl_reuse if kl_reuse else None, pct=True)} | "
+                         + f" | {_fmt(q['kl'], 4)} | {_fmt(_relative(summary, m)[2], pct=True)} | "
                          f"{_fmt(q['top1'], 2)} | {_fmt(ratio)} | {_fmt(1 / ratio, 2) + '×' if ratio else '–'} |")
     return lines + [""]
 
