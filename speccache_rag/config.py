@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("full", "reuse", "epic", "cacheblend", "speccache", "norm", "qattn", "random", "oracle")
-DRAFT_METHODS = ("speccache", "norm")   # the methods that run the draft model
+METHODS = ("full", "reuse", "epic", "cacheblend", "speccache", "norm", "deviation", "qattn", "random", "oracle")
+DRAFT_METHODS = ("speccache", "norm", "deviation")   # the methods that run the draft model
 # Methods whose scores concentrate where it matters, so recompute_ratio="auto" can size the budget by their
 # mass (deep-layer norms are nearly flat: their mass always asks for the upper bound).
 AUTO_METHODS = ("qattn", "speccache", "cacheblend")
@@ -28,7 +28,7 @@ class ReuseConfig:
     auto_range: tuple[float, float] = (0.05, 0.30)   # recompute_ratio="auto": bounds of the ratio
     epic_k: int | None = None           # None: chosen so that the budget equals recompute_ratio
     cacheblend_check_layer: int = 1     # layers 0..check_layer run over every token
-    draft_layers: float = 1 / 3         # norm/oracle score with the last third of the layers
+    draft_layers: float = 1 / 3         # norm/deviation/oracle read the last third of the layers
     span_rule: str = "smooth"
     tau_smooth: float = 0.4
     tau_cover: float = 0.7

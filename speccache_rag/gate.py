@@ -36,11 +36,13 @@ def meta_name(fingerprint: str, backend: str = "torch") -> str:
 
 def verdict(store, blender, tokenizer, backend: str, model: str) -> list[str]:
     """The methods that failed the gate for ``blender``'s model on this engine type: remembered in
-    ``store``, else checked now and remembered."""
+    ``store``, else checked now and remembered. A verdict that predates a method is checked again."""
     name = meta_name(blender.fingerprint, backend)
     known = store.get_meta(name)
-    if known is None or not isinstance(known.get("failed"), list):
-        known = {"failed": failing_methods(blender, tokenizer), "model": model, "backend": backend}
+    if (known is None or not isinstance(known.get("failed"), list)
+            or not set(CHECKED) <= set(known.get("checked", []))):
+        known = {"failed": failing_methods(blender, tokenizer), "checked": list(CHECKED), "model": model,
+                 "backend": backend}
         store.put_meta(name, known)
     return [str(m) for m in known["failed"]]
 

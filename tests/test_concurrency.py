@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from speccache_rag import RAGPrompt, ReuseConfig, SpecCacheEngine
+from speccache_rag.config import METHODS
 from speccache_rag.kv import chunk_key
 from speccache_rag.prompt import tokenize_piece
 
@@ -17,7 +18,6 @@ CHUNKS = [
 ]
 QUESTIONS = ["In which year was the founder of Zorblat Industries born?", "Which river flows through Vessendorf?",
              "When is the kettle festival held?", "Who founded Zorblat Industries?"]
-METHODS = ["full", "reuse", "epic", "cacheblend", "speccache", "norm", "qattn", "random", "oracle"]
 
 
 @pytest.fixture(scope="module")

@@ -361,6 +361,20 @@ def test_the_gate_passes_on_a_real_model_and_is_remembered_in_the_store(smollm2,
     assert replica.generate(RAGPrompt(chunks=CHUNKS, question=QUESTION), max_new_tokens=1).stats.method == "qattn"
 
 
+def test_a_gate_verdict_that_predates_a_method_is_checked_again(smollm2, monkeypatch):
+    from speccache_rag import gate
+
+    engine = SpecCacheEngine(*smollm2, store="memory://", gate=False)
+    name = gate.meta_name(engine.fingerprint, "torch")
+    older = [m for m in gate.CHECKED if m != "deviation"]
+    engine.store.put_meta(name, {"failed": [], "checked": older, "model": "smollm2-135m", "backend": "torch"})
+    monkeypatch.setattr(gate, "failing_methods", lambda blender, tokenizer: ["deviation"])
+    assert gate.verdict(engine.store, engine.blender, engine.tokenizer, "torch", "smollm2-135m") == ["deviation"]
+    assert engine.store.get_meta(name)["checked"] == list(gate.CHECKED)
+    monkeypatch.setattr(gate, "failing_methods", lambda blender, tokenizer: pytest.fail("checked twice"))
+    assert gate.verdict(engine.store, engine.blender, engine.tokenizer, "torch", "smollm2-135m") == ["deviation"]
+
+
 def test_a_method_that_fails_the_gate_makes_the_engine_serve_full_prefill_only(smollm2, monkeypatch):
     from speccache_rag import gate
     from speccache_rag.selection import SELECTORS

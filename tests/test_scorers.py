@@ -1,4 +1,6 @@
 """Scorers and chunk-KV policies of the quality work: question rows, the prefix sink, the adaptive budget."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from speccache_rag.prompt import render, sink_token_ids, tokenize_piece
 from speccache_rag.runner import KVCache, full_prefill
 from speccache_rag.selection import Selection, adaptive_budget, budget_for
 from speccache_rag.selection.draft_attention import draft_question_rows
+from speccache_rag.selection.draft_deviation import deviation_scores
 from speccache_rag.selection.question_attention import question_rows
 
 CHUNKS = [
@@ -44,7 +47,7 @@ def test_scorers_fail_clearly_on_a_prompt_without_chunks(smollm2):
         draft_question_rows(tokens)
     # the engine itself answers such a prompt: nothing to reuse, every token computed
     engine = SpecCacheEngine(model, tok, store="memory://")
-    for method in ("qattn", "speccache", "norm"):
+    for method in ("qattn", "speccache", "norm", "deviation"):
         out = engine.generate(RAGPrompt(chunks=[], question=QUESTION), max_new_tokens=2,
                               reuse=ReuseConfig(method=method))
         assert out.stats.recomputed_tokens == out.stats.prompt_tokens
@@ -122,3 +125,33 @@ def test_auto_ratio_recomputes_within_its_bounds(smollm2, method):
     out = engine.generate(prompt, max_new_tokens=2, reuse=cfg)
     chosen = out.stats.recomputed_tokens - always
     assert budget_for(0.1, reusable) <= chosen <= budget_for(0.2, reusable)
+
+
+def test_deviation_measures_reused_chunks_against_the_chunk_read_alone(smollm2):
+    model, tok = smollm2
+    ops = HFLayers(model)
+    prompt = RAGPrompt(chunks=CHUNKS, question=QUESTION)
+    tokens = render(prompt, tok)
+    segs = tokens.chunk_segments()
+    reusable = torch.zeros(len(tokens), dtype=torch.bool)
+    for seg in segs[:2]:                              # the third chunk missed the store: nothing to score there
+        reusable[seg.start:seg.end] = True
+    sel = Selection(tokens, reusable, 10, ReuseConfig(method="deviation"), prompt=prompt, draft=ops,
+                    draft_tokenizer=tok)
+    scores = deviation_scores(sel, tokens)
+    assert all((scores[seg.start:seg.end] > 0).all() for seg in segs[:2])
+    scored = torch.zeros(len(tokens), dtype=torch.bool)
+    scored[segs[0].start:segs[0].end] = scored[segs[1].start:segs[1].end] = True
+    assert not scores[~scored].any()
+    # the last layer's residual of chunk 1's first token, in the prompt and alone after the sink
+    seen: dict[int, torch.Tensor] = {}
+    full_prefill(ops, tokens.ids, capture=seen)
+    sink = sink_token_ids(tok)
+    alone: dict[int, torch.Tensor] = {}
+    full_prefill(ops, torch.tensor(sink + tokens.token_ids[segs[1].start:segs[1].end]), capture=alone)
+    last = ops.num_layers - 1
+    moved = (seen[last][segs[1].start] - alone[last][len(sink)]).norm()
+    one_layer = deviation_scores(dataclasses.replace(sel, config=ReuseConfig(method="deviation",
+                                                                              draft_layers=1 / ops.num_layers)),
+                                 tokens)
+    torch.testing.assert_close(one_layer[segs[1].start], moved, rtol=1e-4, atol=1e-4)

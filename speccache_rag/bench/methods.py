@@ -1,18 +1,13 @@
-"""Benchmark methods: names ↔ ReuseConfig, and the two experimental selectors beyond the paper.
+"""Benchmark methods: names ↔ ReuseConfig, and the experimental ``static`` selector beyond the paper.
 
 Method names used in suites and results:
     full · reuse · epic@R (k chosen to fill the budget) · epic-kK · cacheblend@R · speccache@R · norm@R ·
-    qattn@R ·
-    random@R · oracle@R · static@R · deviation@R
+    deviation@R · qattn@R · random@R · oracle@R · static@R
 
-``static`` and ``deviation`` are experiments (issue 5, part 6), implemented here on top of the
-engine without touching it:
-- static@R: draft scores computed per chunk at ingestion (chunk alone, after the draft's sink
-  token); zero draft cost at query time, but no cross-chunk signal.
-- deviation@R: for every chunk token, the mean over the draft's last third of layers of
-  ‖h_ctx − h_alone‖ — how far its deep residual moves when the chunk is read in the prompt rather
-  than alone (h_alone stored with the chunk at ingestion). CacheBlend's idea, computed by the draft.
-Both feed the same span expansion and cross-tokenizer mapping as speccache.
+``static`` is an experiment (issue 5, part 6), implemented here on top of the engine without touching it:
+draft scores computed per chunk at ingestion (chunk alone, after the draft's sink token); zero draft
+cost at query time, but no cross-chunk signal. It feeds the same span expansion and cross-tokenizer
+mapping as speccache. (``deviation``, the other experiment of issue 5, is now an engine method.)
 """
 from __future__ import annotations
 
@@ -27,12 +22,13 @@ from ..layers import HFLayers
 from ..prompt import RAGPrompt, TokenizedPrompt, sink_token_ids, tokenize_piece
 from ..runner import full_prefill
 from ..selection import Selection, hidden_states
+from ..selection.base import deep_layer_norms
 from ..selection.registry import recompute_picked
 from ..selection.speculative import select_by_draft_scores
 
 FAMILIES = ("epic", "cacheblend", "speccache", "norm", "qattn", "random", "oracle", "static", "deviation")
 DRAFT_FAMILIES = ("speccache", "norm", "static", "deviation")
-EXPERIMENTS = ("static", "deviation")
+EXPERIMENTS = ("static",)
 
 
 @dataclass(frozen=True)
@@ -92,24 +88,18 @@ def _number(text: str) -> float | None:
         return None
 
 
-def deep_layers(ops, fraction: float) -> range:
-    n = ops.num_layers
-    return range(n - max(1, round(n * fraction)), n)
-
-
 class BenchEngine(SpecCacheEngine):
-    """The product engine plus: per-chunk draft artifacts for the experiments, an optional memo of
+    """The product engine plus: per-chunk draft scores for the ``static`` experiment, an optional memo of
     whole-prompt hidden states (quality pass only: draft scores do not depend on r, so one draft
     prefill serves every r), and the method variant to run."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("gate", False)           # the bench measures each method as asked, and times it
         super().__init__(*args, **kwargs)
-        self.variant: str | None = None            # "static" | "deviation" | None
+        self.variant: str | None = None            # "static" | None
         self.fraction = ReuseConfig().draft_layers
         # keyed by (draft, chunk text): the pairs of one target keep their drafts' artifacts side by side
         self._static: dict[tuple[int, str], torch.Tensor] = {}
-        self._alone: dict[tuple[int, str], torch.Tensor] = {}   # → [deep layers, n, hidden]
         self._memo: dict[tuple, dict[int, torch.Tensor]] | None = None
         self._draft_sink = sink_token_ids(self.draft_tokenizer)
         self._layer_ops = {id(self.target): self.ops, id(self.draft): self.draft_ops}
@@ -125,24 +115,20 @@ class BenchEngine(SpecCacheEngine):
 
     # ---- ingestion-time draft artifacts ------------------------------------------------------
     @torch.inference_mode()
-    def prepare_draft(self, texts: list[str], static: bool = True, deviation: bool = True) -> None:
-        layers = deep_layers(self.draft_ops, self.fraction)
+    def prepare_draft(self, texts: list[str]) -> None:
         for text in texts:
             key = (id(self.draft_ops), text)
-            if (not static or key in self._static) and (not deviation or key in self._alone):
+            if key in self._static:
                 continue
             ids, _ = tokenize_piece(self.draft_tokenizer, text)
             capture: dict[int, torch.Tensor] = {}
             full_prefill(self.draft_ops, torch.tensor(self._draft_sink + ids), capture=capture)
             skip = len(self._draft_sink)
-            if static:
-                self._static[key] = torch.stack([capture[i][skip:].norm(dim=-1) for i in layers]).mean(0)
-            if deviation:
-                self._alone[key] = torch.stack([capture[i][skip:] for i in layers])
+            self._static[key] = deep_layer_norms({i: h[skip:] for i, h in capture.items()},
+                                                 self.draft_ops.num_layers, self.fraction)
 
     def forget_draft(self) -> None:
         self._static.clear()
-        self._alone.clear()
 
     # ---- whole-prompt hidden states -----------------------------------------------------------
     @torch.inference_mode()
@@ -172,12 +158,10 @@ class BenchEngine(SpecCacheEngine):
     def selector(self, method: str):
         if self.variant is None:
             return super().selector(method)
-        variant = self.variant
 
         def select(sel: Selection, ops=None) -> torch.Tensor:
             draft_tokens = sel.draft_tokens()
-            scores = self._static_scores(draft_tokens) if variant == "static" else self._deviation_scores(draft_tokens)
-            return select_by_draft_scores(sel, draft_tokens, scores)
+            return select_by_draft_scores(sel, draft_tokens, self._static_scores(draft_tokens))
 
         return recompute_picked(select)
 
@@ -188,18 +172,6 @@ class BenchEngine(SpecCacheEngine):
             if s is None:
                 raise KeyError("static scores missing for a chunk: call prepare_draft() at ingestion")
             scores[seg.start:seg.end] = s
-        return scores
-
-    def _deviation_scores(self, draft_tokens: TokenizedPrompt) -> torch.Tensor:
-        cap = self.capture(self.draft_ops, draft_tokens.ids)
-        layers = deep_layers(self.draft_ops, self.fraction)
-        h = torch.stack([cap[i] for i in layers])                            # [Ld, Nd, H]
-        scores = torch.zeros(len(draft_tokens))
-        for seg in draft_tokens.chunk_segments():
-            alone = self._alone.get((id(self.draft_ops), seg.text))
-            if alone is None:
-                raise KeyError("h_alone missing for a chunk: call prepare_draft() at ingestion")
-            scores[seg.start:seg.end] = (h[:, seg.start:seg.end] - alone).norm(dim=-1).mean(0)
         return scores
 
     def run(self, spec: MethodSpec, prompt: RAGPrompt, max_new_tokens: int, first_logits: bool = False,

@@ -142,8 +142,8 @@ def quality_example(engine: BenchEngine, suite: Suite, target: str, drafts: list
             # a draft-independent row may have been written for an earlier draft of this prompt
             todo = [s for s in todo if _quality_key(target, draft, ex, s) not in writer.done]
             fams = {s.family for s in todo}
-            if fams & {"static", "deviation"}:
-                engine.prepare_draft(ex.chunks, static="static" in fams, deviation="deviation" in fams)
+            if "static" in fams:
+                engine.prepare_draft(ex.chunks)
             for spec in todo:
                 if spec.family == "full":
                     out, wall = ref, ref_wall
@@ -186,10 +186,10 @@ def timing_example(engine: BenchEngine, suite: Suite, target: str, drafts: list[
     tokens = render(prompt, engine.tokenizer)
     engine.precompute(ex.chunks)
     fams = {spec.family for _, spec, _ in runs}
-    if fams & {"static", "deviation"}:
+    if "static" in fams:
         for _, dmodel, dtok in drafts:
             engine.use_draft(dmodel, dtok)
-            engine.prepare_draft(ex.chunks, static="static" in fams, deviation="deviation" in fams)
+            engine.prepare_draft(ex.chunks)
     stats_of: dict[tuple, list] = {key: [] for key, *_ in runs}
     for rnd in range(suite.ttft_warmup + suite.ttft_reps):
         shift = rnd % len(runs)

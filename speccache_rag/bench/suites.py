@@ -116,10 +116,11 @@ SUITES: dict[str, Suite] = {
                     "(--pairs, same prompts: see docs/benchmarks.md).",
         pairs=[(QWEN15, SMOL)], n_per_task=30, n_chunks=8, chunk_tokens=256,
         methods=["full", "reuse", "epic-k16", "cacheblend@0.15", "random@0.15", "qattn@0.15", "speccache@0.15",
-                 "norm@0.15"],
+                 "norm@0.15", "deviation@0.15"],
         sweep_methods=["qattn@0.05", "qattn@0.10", "qattn@0.25", "speccache@0.25",
                        "qattn@auto:0.8", "qattn@auto:0.9", "qattn@auto:0.95"], sweep_examples=9,
-        ttft_methods=["full", "epic-k16", "cacheblend@0.15", "qattn@0.15", "speccache@0.15", "norm@0.15"],
+        ttft_methods=["full", "epic-k16", "cacheblend@0.15", "qattn@0.15", "speccache@0.15", "norm@0.15",
+                      "deviation@0.15"],
         ttft_examples=1, max_new_tokens=24, stop=("\n",), agreement=False),
 }
 

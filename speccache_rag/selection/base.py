@@ -78,8 +78,12 @@ def top_positions(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> tor
     return candidates[best].sort().values
 
 
+def deep_layers(num_layers: int, fraction: float) -> range:
+    """The last ``fraction`` of the layers (at least one): where the draft scorers read the residual."""
+    return range(num_layers - max(1, round(num_layers * fraction)), num_layers)
+
+
 def deep_layer_norms(capture: dict[int, torch.Tensor], num_layers: int, fraction: float) -> torch.Tensor:
     """Mean L2 norm of the residual stream over the last ``fraction`` of layers → [N], float32 (bfloat16
     norms of similar tokens tie)."""
-    first = num_layers - max(1, round(num_layers * fraction))
-    return torch.stack([capture[i].float().norm(dim=-1) for i in range(first, num_layers)]).mean(0)
+    return torch.stack([capture[i].float().norm(dim=-1) for i in deep_layers(num_layers, fraction)]).mean(0)

@@ -1,0 +1,48 @@
+"""Draft deviation (method ``deviation``): CacheBlend's idea — recompute the tokens whose state the other
+chunks change most — with the draft doing the measuring.
+
+For every chunk token: the mean, over the draft's last ``draft_layers`` of layers, of ‖h_prompt − h_alone‖,
+where h_prompt is its residual when the draft reads the whole prompt and h_alone when it reads the chunk
+alone after its sink (as the chunk's stored KV was computed). Then the paper's steps 2 and 3. The chunk-alone
+passes run at query time, one per reused chunk, so the draft reads the chunk text twice; storing h_alone
+with the chunk at ingestion would remove that cost but change the store format, which the measured quality
+(docs/benchmarks.md) does not justify.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..prompt import TokenizedPrompt, sink_token_ids
+from .base import Selection, deep_layers
+from .registry import position_selector
+from .speculative import select_by_draft_scores
+
+
+@torch.inference_mode()
+def deviation_scores(sel: Selection, draft_tokens: TokenizedPrompt) -> torch.Tensor:
+    """How far each draft chunk token's deep residual moves between the chunk alone and the prompt → [Nd]."""
+    draft = sel.draft
+    layers = deep_layers(draft.num_layers, sel.config.draft_layers)
+    in_prompt = sel.hidden_states(draft, draft_tokens.ids)
+    sink = torch.tensor(sink_token_ids(sel.draft_tokenizer), dtype=torch.long)
+    reused = {t.chunk for t in sel.tokens.chunk_segments() if sel.reusable[t.start]}
+    scores = torch.zeros(len(draft_tokens))
+    for seg in draft_tokens.chunk_segments():
+        if seg.chunk not in reused or seg.end == seg.start:
+            continue
+        alone = sel.hidden_states(draft, torch.cat([sink, draft_tokens.ids[seg.start:seg.end]]))
+        moved = [(in_prompt[i][seg.start:seg.end].float() - alone[i][sink.numel():].float()).norm(dim=-1)
+                 for i in layers]
+        scores[seg.start:seg.end] = torch.stack(moved).mean(0)
+    return scores
+
+
+@position_selector("deviation")
+def deviation_select(sel: Selection, ops=None) -> torch.Tensor:
+    draft_tokens = sel.draft_tokens()
+    t = time.perf_counter()
+    scores = deviation_scores(sel, draft_tokens)
+    sel.timings["draft_forward_s"] = time.perf_counter() - t
+    return select_by_draft_scores(sel, draft_tokens, scores)
