@@ -210,6 +210,12 @@ def full(engine, prompt):
     return engine.generate(prompt, max_new_tokens=16, reuse=ReuseConfig(method="full"))
 
 
+@pytest.fixture(scope="module")
+def stored(engine):
+    """Every chunk in the store (the third through vLLM), whichever tests ran before."""
+    engine.precompute(CHUNKS)
+
+
 @needs_vllm
 def test_precompute_through_vllm_shares_the_torch_engines_store(engine, kv_dir):
     path, torch_engine = kv_dir
@@ -262,7 +268,7 @@ def test_torch_and_vllm_run_one_blend_same_positions_same_kv(engine, kv_dir, pro
 
 @needs_vllm
 @pytest.mark.parametrize("method", [m for m in BLEND_METHODS if m != "reuse"])
-def test_golden_ratio_one_through_the_connector_equals_plain_vllm(engine, prompt, full, method):
+def test_golden_ratio_one_through_the_connector_equals_plain_vllm(engine, stored, prompt, full, method):
     blended = engine.generate(prompt, max_new_tokens=16, reuse=ReuseConfig(method=method, recompute_ratio=1.0))
     assert blended.stats.cache_hits == len(CHUNKS) and blended.stats.cache_misses == 0
     assert blended.stats.recomputed_tokens == blended.stats.prompt_tokens
@@ -276,7 +282,7 @@ def test_golden_ratio_one_through_the_connector_equals_plain_vllm(engine, prompt
 
 
 @needs_vllm
-def test_ratio_015_recomputes_a_fraction_with_every_chunk_a_store_hit(engine, kv_dir, prompt, full):
+def test_ratio_015_recomputes_a_fraction_with_every_chunk_a_store_hit(engine, stored, kv_dir, prompt, full):
     reuse = ReuseConfig(method="speccache", recompute_ratio=0.15)
     out = engine.generate(prompt, max_new_tokens=16, reuse=reuse)
     s = out.stats
@@ -291,7 +297,7 @@ def test_ratio_015_recomputes_a_fraction_with_every_chunk_a_store_hit(engine, kv
 
 
 @needs_vllm
-def test_auto_ratio_through_the_connector_stays_within_its_bounds(engine, prompt):
+def test_auto_ratio_through_the_connector_stays_within_its_bounds(engine, stored, prompt):
     from speccache_rag.selection import budget_for
 
     tokens = render(prompt, engine.tokenizer)
@@ -312,7 +318,7 @@ def test_blended_kv_is_never_served_as_an_exact_prefix_hit(engine, prompt):
 
 
 @needs_vllm
-def test_streaming_yields_the_text_piece_by_piece(engine, prompt):
+def test_streaming_yields_the_text_piece_by_piece(engine, stored, prompt):
     stream = engine.stream(prompt, max_new_tokens=16, reuse=ReuseConfig(method="speccache"))
     pieces = list(stream)
     out = stream.output
