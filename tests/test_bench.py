@@ -269,3 +269,14 @@ def test_paired_permutation_test_of_the_mean():
     rows = [{"method": m, "example": e, "kl": k} for m, e, k in [("a", 1, 0.1), ("a", 2, 0.5), ("b", 1, 0.3),
                                                                    ("b", 2, 0.4)]]
     assert paired_diffs(rows, "a", "b", "kl", lower_is_better=True) == pytest.approx([0.2, -0.1])
+
+
+def test_a_suite_method_on_few_prompts_gets_its_own_table_not_a_smaller_headline():
+    from speccache_rag.bench.report import _methods
+
+    rows = [{"method": m, "example": e} for e in range(4) for m in ("full", "reuse", "qattn@0.15")]
+    rows += [{"method": "deviation@0.15", "example": 0}, {"method": "qattn@0.05", "example": 0},
+             {"method": "speccache@0.15", "example": 1}, {"method": "speccache@0.15", "example": 2}]
+    suite = ["full", "reuse", "qattn@0.15", "speccache@0.15", "deviation@0.15"]
+    # speccache has half of full's prompts (a run stopped midway): still headline; a sweep method is not listed
+    assert _methods(suite, rows) == (["full", "reuse", "qattn@0.15", "speccache@0.15"], ["deviation@0.15"])

@@ -251,8 +251,17 @@ def _goals(summary: dict, rows: list[dict]) -> list[str]:
                 out.append(f"  - vs {b}: better on {len(better)}/{len(tasks)} tasks ({', '.join(better) or 'none'}); "
                            f"mean {_fmt(s['score'])} vs {_fmt(summary[b]['score'])}; paired over {n} prompts "
                            f"{w} wins / {l} losses, sign test p = {sign_test_p(w, l):.3g}, paired permutation "
-                           f"test of the mean p = {p_mean:.3g}.")
+                           f"test of the mean p = {p_mean:.3g}; per task: "
+                           + "; ".join(_task_pair(s, summary[b], [r for r in rows if r["task"] == t], m, b, t)
+                                       for t in tasks) + ".")
     return out
+
+
+def _task_pair(s: dict, base: dict, rows: list[dict], m: str, b: str, task: str) -> str:
+    """One task's paired comparison: mean scores, wins / losses and the permutation test of the mean."""
+    w, l, _ = paired(rows, m, b, "score")
+    return (f"{task} {_fmt(s['per_task'][task])} vs {_fmt(base['per_task'].get(task))}, {w}/{l}, "
+            f"mean p = {mean_diff_p(paired_diffs(rows, m, b, 'score')):.3g}")
 
 
 def _plots(out: Path, slug: str, summary: dict, sweep: dict, ttft: dict) -> list[str]:
@@ -330,15 +339,20 @@ def _command_lines(meta: dict) -> list[str]:
 ORDER = ("full", "reuse", "epic-k16", "cacheblend@0.15", "random@0.15", "qattn@0.15", "speccache@0.15", "norm@0.15")
 
 
-def _methods(suite_methods: list[str], rows: list[dict]) -> list[str]:
+def _methods(suite_methods: list[str], rows: list[dict]) -> tuple[list[str], list[str]]:
     """The methods to tabulate: the suite's, and any other that a run of this directory (``--methods``, resumed
-    in parts) gave every prompt full has; sweep-only methods (a few prompts) stay in the sweep table."""
+    in parts) gave every prompt full has; sweep-only methods (a few prompts) stay in the sweep table.
+
+    → (headline methods, partial ones): a suite method on fewer than half of full's prompts (added to a
+    suite after part of it ran) would shrink the headline to its prompts, so it gets a table of its own."""
     examples: dict[str, set] = defaultdict(set)
     for r in rows:
         examples[r["method"]].add(r["example"])
     full = examples.get("full", set())
-    present = [m for m in examples if m in suite_methods or (full and examples[m] >= full)]
-    return sorted(present, key=lambda m: (ORDER.index(m) if m in ORDER else len(ORDER), m))
+    present = sorted((m for m in examples if m in suite_methods or (full and examples[m] >= full)),
+                     key=lambda m: (ORDER.index(m) if m in ORDER else len(ORDER), m))
+    partial = [m for m in present if 2 * len(examples[m]) < len(full)]
+    return [m for m in present if m not in partial], partial
 
 
 def _target_table(rows: list[dict], target: str, drafts: list[str], suite: dict) -> list[str]:
@@ -347,7 +361,7 @@ def _target_table(rows: list[dict], target: str, drafts: list[str], suite: dict)
     def label(r: dict) -> str:
         return r["method"] if r.get("draft") is None else f"{r['method']} ← {r['draft']}"
 
-    present = _methods(suite["methods"], [r for r in rows if r["kind"] == "quality" and r["target"] == target])
+    present, _ = _methods(suite["methods"], [r for r in rows if r["kind"] == "quality" and r["target"] == target])
     methods = [m for m in present if not parse_method(m).uses_draft]
     methods += [f"{m} ← {d}" for m in present if parse_method(m).uses_draft for d in drafts]
     relabel = lambda kind: [{**r, "method": label(r)} for r in rows if r["kind"] == kind and r["target"] == target
@@ -407,7 +421,7 @@ def write_report(out: str | Path) -> Path:
         pair = [target, draft]
         slug = _slug(suite["name"], target, draft)
         q = _pair_rows(rows, "quality", *pair)
-        methods = _methods(suite["methods"], q)
+        methods, partial = _methods(suite["methods"], q)
         summary, n = summarize(q, methods)
         sweep, n_sweep = summarize(q, suite["sweep_methods"]) if suite["sweep_methods"] else ({}, 0)
         ttft = ttft_summary(_pair_rows(rows, "ttft", *pair))
@@ -419,6 +433,10 @@ def write_report(out: str | Path) -> Path:
         if summary:
             lines += [f"### Every method ({n} prompts)", ""] + _headline_table(summary, ttft, methods) + [""]
             lines += ["Task score per task:", ""] + _task_table(summary, methods) + [""]
+            for m in partial:
+                part, n_part = summarize(q, ["full", "reuse", m])
+                lines += [f"### {m} on {n_part} prompts (added after the rest ran; full and reuse on the same "
+                          "prompts)", ""] + _headline_table(part, ttft, ["full", "reuse", m]) + [""]
         if ttft:
             lines += ["### Time to first token (seconds on this machine; compare ratios)", ""]
             lines += _ttft_table(ttft, suite["ttft_methods"]) + [""]
@@ -428,7 +446,7 @@ def write_report(out: str | Path) -> Path:
         if agree:
             lines += [f"### Agreement analysis ({len(agree)} prompts)", ""] + _agreement_lines(agree) + [""]
         if summary:
-            lines += ["### Paired by prompt (sign test)", ""] + _paired_table(q, methods) + [""]
+            lines += ["### Paired by prompt (sign test)", ""] + _paired_table(q, methods + partial) + [""]
         goals = _goals(summary, q)
         if goals:
             lines += ["### Against the goals of the quality issue (r = 0.15)", ""] + goals + [""]
