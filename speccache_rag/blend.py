@@ -30,7 +30,8 @@ class Blended:
 
 
 class Blender:
-    """Blends prompts for one target: its layer ops, the store, the fingerprint in every key, the sink.
+    """Blends prompts for one target: its layer ops, the store, the fingerprint in every key, the sink
+    (``sink_ids``: the target's tokens; ``sink``: the policy they came from, for a draft to read chunks alike).
 
     draft: () → (draft LayerOps, draft tokenizer), called only for methods that score with a draft.
     hidden_states / selector: what selectors use to run a plain prefill with capture and to resolve a
@@ -38,8 +39,9 @@ class Blender:
 
     def __init__(self, ops: LayerOps, store: KVStore, fingerprint: str, sink_ids: list[int],
                  draft: Callable[[], tuple[LayerOps, object]] | None = None,
-                 hidden_states: Callable = hidden_states, selector: Callable[[str], Callable] = SELECTORS.__getitem__):
-        self.ops, self.store, self.fingerprint, self.sink_ids = ops, store, fingerprint, sink_ids
+                 hidden_states: Callable = hidden_states, selector: Callable[[str], Callable] = SELECTORS.__getitem__,
+                 sink: str = "bos"):
+        self.ops, self.store, self.fingerprint, self.sink_ids, self.sink = ops, store, fingerprint, sink_ids, sink
         self.draft, self.hidden_states, self.selector = draft, hidden_states, selector
 
     @torch.inference_mode()
@@ -88,7 +90,8 @@ class Blender:
         stats.load_s = time.perf_counter() - t
         draft, draft_tokenizer = self.draft() if reuse.method in DRAFT_METHODS and self.draft else (None, None)
         sel = Selection(tokens, reusable, budget_for(reuse.recompute_ratio, int(reusable.sum()), reuse), reuse,
-                        prompt=prompt, draft=draft, draft_tokenizer=draft_tokenizer, hidden_states=self.hidden_states)
+                        prompt=prompt, draft=draft, draft_tokenizer=draft_tokenizer, hidden_states=self.hidden_states,
+                        sink=self.sink)
         t = time.perf_counter()
         logits, recomputed = self.selector(reuse.method)(self.ops, cache, sel, (~reusable).nonzero().flatten())
         stats.draft_s = sel.timings.get("select_s", 0.0)

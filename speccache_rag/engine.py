@@ -46,7 +46,7 @@ class SpecCacheEngine(StreamingEngine):
         self.dtype = dtype_name(next(target.parameters()).dtype)
         self.blender = Blender(self.ops, self.store, self.fingerprint, sink_token_ids(tokenizer, sink),
                                draft=lambda: (self.draft_ops, self.draft_tokenizer),
-                               hidden_states=self.hidden_states, selector=self.selector)
+                               hidden_states=self.hidden_states, selector=self.selector, sink=sink)
         self._eos_ids = self._eos_token_ids()
         self.gate = gate
         self._gate_failed: list[str] | None = None      # None: not yet known for this fingerprint

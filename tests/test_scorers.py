@@ -155,3 +155,31 @@ def test_deviation_measures_reused_chunks_against_the_chunk_read_alone(smollm2):
                                                                               draft_layers=1 / ops.num_layers)),
                                  tokens)
     torch.testing.assert_close(one_layer[segs[1].start], moved, rtol=1e-4, atol=1e-4)
+
+
+def test_deviation_reads_chunks_alone_under_the_engines_sink_policy(smollm2):
+    """Under ``sink="prefix"`` a chunk is stored as read behind the template prefix, so the first chunk of a
+    prompt with that prefix has not moved at all, while later chunks have; under "bos" the first moves too."""
+    model, tok = smollm2
+    ops = HFLayers(model)
+    prompt = RAGPrompt(chunks=CHUNKS, question=QUESTION)
+    tokens = render(prompt, tok)
+    first, second = tokens.chunk_segments()[:2]
+    reusable = torch.zeros(len(tokens), dtype=torch.bool)
+    for seg in tokens.chunk_segments():
+        reusable[seg.start:seg.end] = True
+    moved = {}
+    for sink in ("prefix", "bos"):
+        sel = Selection(tokens, reusable, 10, ReuseConfig(method="deviation"), prompt=prompt, draft=ops,
+                        draft_tokenizer=tok, sink=sink)
+        scores = deviation_scores(sel, tokens)
+        moved[sink] = (scores[first.start:first.end].mean(), scores[second.start:second.end].mean())
+    assert moved["prefix"][0] < 1e-3 * moved["prefix"][1]
+    assert moved["bos"][0] > 0.1 * moved["bos"][1]
+    # and through the engine: a prefix-policy engine with one chunk missing the store answers with deviation
+    engine = SpecCacheEngine(model, tok, store="memory://", sink="prefix", gate=False)
+    assert engine.blender.sink == "prefix"
+    engine.precompute(CHUNKS[:2])
+    out = engine.generate(prompt, max_new_tokens=2, reuse=ReuseConfig(method="deviation"))
+    assert out.stats.method == "deviation" and out.stats.cache_hits == 2 and out.stats.cache_misses == 1
+    assert 0 < out.stats.recomputed_tokens < out.stats.prompt_tokens

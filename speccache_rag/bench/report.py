@@ -252,15 +252,18 @@ def _goals(summary: dict, rows: list[dict]) -> list[str]:
                            f"mean {_fmt(s['score'])} vs {_fmt(summary[b]['score'])}; paired over {n} prompts "
                            f"{w} wins / {l} losses, sign test p = {sign_test_p(w, l):.3g}, paired permutation "
                            f"test of the mean p = {p_mean:.3g}; per task: "
-                           + "; ".join(_task_pair(s, summary[b], [r for r in rows if r["task"] == t], m, b, t)
-                                       for t in tasks) + ".")
+                           + "; ".join(_task_pair([r for r in rows if r["task"] == t], m, b, t) for t in tasks)
+                           + ".")
     return out
 
 
-def _task_pair(s: dict, base: dict, rows: list[dict], m: str, b: str, task: str) -> str:
-    """One task's paired comparison: mean scores, wins / losses and the permutation test of the mean."""
+def _task_pair(rows: list[dict], m: str, b: str, task: str) -> str:
+    """One task's paired comparison on the prompts both methods have: mean scores, wins / losses and the
+    permutation test of the mean."""
+    per = {k: {r["example"]: r["score"] for r in rows if r["method"] == k} for k in (m, b)}
+    both = sorted(set(per[m]) & set(per[b]))
     w, l, _ = paired(rows, m, b, "score")
-    return (f"{task} {_fmt(s['per_task'][task])} vs {_fmt(base['per_task'].get(task))}, {w}/{l}, "
+    return (f"{task} {_fmt(mean([per[m][e] for e in both]))} vs {_fmt(mean([per[b][e] for e in both]))}, {w}/{l}, "
             f"mean p = {mean_diff_p(paired_diffs(rows, m, b, 'score')):.3g}")
 
 

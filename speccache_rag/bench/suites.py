@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from .data import TASKS
 
 RATIOS = (0.10, 0.15, 0.20, 0.25)
-# The sweep of EVALUATION.md / issue 5, plus the two experiments at r = 0.15.
+# The sweep of EVALUATION.md / issue 5, plus the two draft experiments of issue 5 at r = 0.15.
 SWEEP = (["full", "reuse", "epic-k8", "epic-k16", "epic-k32"]
          + [f"cacheblend@{r:.2f}" for r in RATIOS] + [f"speccache@{r:.2f}" for r in RATIOS]
          + ["epic@0.15", "random@0.15", "oracle@0.15", "static@0.15", "deviation@0.15"])
@@ -79,17 +79,14 @@ SUITES: dict[str, Suite] = {
         pairs=[(SMOL, SMOL)], n_per_task=2, n_chunks=6, chunk_tokens=256,
         methods=["full", "reuse", "epic-k16", "cacheblend@0.15", "speccache@0.15", "random@0.15"],
         sweep_methods=list(SWEEP), sweep_examples=2,
-        ttft_methods=[m for m in TTFT_015 if m != "deviation@0.15"], ttft_examples=1, ttft_reps=5,
-        max_new_tokens=12),
+        ttft_methods=list(TTFT_015), ttft_examples=1, ttft_reps=5, max_new_tokens=12),
     "core": Suite(
         name="core",
         description="Every method at r = 0.15 on 21 prompts of 6 chunks × 128 target tokens, for target "
                     "SmolLM2-135M with draft SmolLM2-135M, and target Qwen2.5-Coder-0.5B with draft SmolLM2-135M; "
-                    "TTFT interleaved on 2 of the prompts (deviation@0.15 not timed: same draft prefill as "
-                    "speccache@0.15).",
+                    "TTFT interleaved on 2 of the prompts.",
         pairs=[(SMOL, SMOL), (QWEN05, SMOL)], n_per_task=7, n_chunks=6, chunk_tokens=128,
-        methods=list(AT_015), ttft_methods=[m for m in TTFT_015 if m != "deviation@0.15"],
-        ttft_examples=2, ttft_reps=5, max_new_tokens=10),
+        methods=list(AT_015), ttft_methods=list(TTFT_015), ttft_examples=2, ttft_reps=5, max_new_tokens=10),
     "paper": Suite(
         name="paper",
         description="Qwen2.5-Coder-1.5B target with a same-family draft (Qwen2.5-Coder-0.5B) and a cross-family, "

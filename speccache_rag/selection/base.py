@@ -34,6 +34,11 @@ class Selection:
     # (LayerOps, token ids [N]) → {layer: residual [N, hidden]}; the bench swaps in a memoized one
     hidden_states: Callable[[object, torch.Tensor], dict[int, torch.Tensor]] = hidden_states
     timings: dict[str, float] = field(default_factory=dict)   # select_s, draft_forward_s
+    sink: str = "bos"               # the chunk-KV policy the stored chunks were computed under
+
+    def reused_chunks(self) -> set[int]:
+        """Indices of the chunks whose KV came from the store."""
+        return {s.chunk for s in self.tokens.chunk_segments() if s.end > s.start and self.reusable[s.start]}
 
     def draft_tokens(self) -> TokenizedPrompt:
         """The prompt as the draft reads it: through its own chat template when the RAGPrompt is known,

@@ -3,7 +3,7 @@ chunks change most — with the draft doing the measuring.
 
 For every chunk token: the mean, over the draft's last ``draft_layers`` of layers, of ‖h_prompt − h_alone‖,
 where h_prompt is its residual when the draft reads the whole prompt and h_alone when it reads the chunk
-alone after its sink (as the chunk's stored KV was computed). Then the paper's steps 2 and 3. The chunk-alone
+alone after its sink — the engine's chunk-KV policy, in the draft's tokens, as the stored KV was computed. Then the paper's steps 2 and 3. The chunk-alone
 passes run at query time, one per reused chunk, so the draft reads the chunk text twice; storing h_alone
 with the chunk at ingestion would remove that cost but change the store format, which the measured quality
 (docs/benchmarks.md) does not justify.
@@ -26,8 +26,8 @@ def deviation_scores(sel: Selection, draft_tokens: TokenizedPrompt) -> torch.Ten
     draft = sel.draft
     layers = deep_layers(draft.num_layers, sel.config.draft_layers)
     in_prompt = sel.hidden_states(draft, draft_tokens.ids)
-    sink = torch.tensor(sink_token_ids(sel.draft_tokenizer), dtype=torch.long)
-    reused = {t.chunk for t in sel.tokens.chunk_segments() if sel.reusable[t.start]}
+    sink = torch.tensor(sink_token_ids(sel.draft_tokenizer, sel.sink), dtype=torch.long)
+    reused = sel.reused_chunks()
     scores = torch.zeros(len(draft_tokens))
     for seg in draft_tokens.chunk_segments():
         if seg.chunk not in reused or seg.end == seg.start:

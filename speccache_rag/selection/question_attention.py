@@ -77,7 +77,8 @@ def second_pass(probe: QuestionAttention, sel: Selection, recomputed: torch.Tens
     cfg, candidates = sel.config, sel.reusable_positions
     budget = sel.budget
     if cfg.recompute_ratio == "auto":      # sized by the attention mass; the forced chunk sinks come on top
-        sinks = sum(min(cfg.qattn_sink, s.end - s.start) for s in sel.tokens.chunk_segments() if sel.reusable[s.start])
+        reused = sel.reused_chunks()
+        sinks = sum(min(cfg.qattn_sink, s.end - s.start) for s in sel.tokens.chunk_segments() if s.chunk in reused)
         budget = min(budget, adaptive_budget(pool(probe.scores, cfg.qattn_pool)[candidates], cfg) + sinks)
     chosen = top_positions(qattn_scores(probe, sel), candidates, budget)
     return chosen, torch.cat([chosen, recomputed[recomputed > chosen[0]]]).unique()

@@ -103,7 +103,7 @@ def select_by_draft_scores(sel: Selection, draft_tokens: TokenizedPrompt, scores
     """Steps 2 and 3 for any per-draft-token scores [Nd] → target positions within ``sel.budget``."""
     cfg = sel.config
     # Only draft tokens of chunks whose KV the target reuses compete for the budget.
-    reused = {t.chunk for t in sel.tokens.chunk_segments() if sel.reusable[t.start]}
+    reused = sel.reused_chunks()
     segs = [s for s in draft_tokens.chunk_segments() if s.chunk in reused and s.end > s.start]
     if not segs or sel.budget == 0:
         return torch.empty(0, dtype=torch.long)

@@ -16,7 +16,8 @@ def reuse_select(sel: Selection, ops=None) -> torch.Tensor:
 @position_selector("epic")
 def epic_select(sel: Selection, ops=None) -> torch.Tensor:
     """The first k tokens of every reused chunk (EPIC / LegoLink); k fills the budget when unset."""
-    chunks = [torch.arange(s.start, s.end) for s in sel.tokens.chunk_segments() if sel.reusable[s.start]]
+    reused = sel.reused_chunks()
+    chunks = [torch.arange(s.start, s.end) for s in sel.tokens.chunk_segments() if s.chunk in reused]
     k = sel.config.epic_k
     if k is None:
         k = 0

@@ -24,10 +24,10 @@ class PagedBlender:
     and the draft (loaded on first use)."""
 
     def __init__(self, model, tokenizer, store, fingerprint: str, sink_ids: list[int], draft_loader,
-                 fill_misses: bool = True):
+                 fill_misses: bool = True, sink: str = "bos"):
         self.ops, self.tokenizer, self.fill_misses = VllmLayers(model), tokenizer, fill_misses
         self._draft_loader, self._draft = draft_loader, None
-        self.core = Blender(self.ops, store, fingerprint, sink_ids, draft=self.draft)
+        self.core = Blender(self.ops, store, fingerprint, sink_ids, draft=self.draft, sink=sink)
         self.gate_failed: list[str] = []          # methods this model failed the correctness gate with
 
     def check_gate(self, model_name: str) -> list[str]:

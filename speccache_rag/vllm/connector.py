@@ -416,7 +416,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
 
             blender = PagedBlender(model, tokenizer, self.store, self.fingerprint,
                                    sink_token_ids(tokenizer, self.options.sink), load_draft,
-                                   fill_misses=self.options.fill_misses)
+                                   fill_misses=self.options.fill_misses, sink=self.options.sink)
             if self.options.gate and blender.check_gate(self.model_dir):
                 logger.warning("SpecCache: methods %s do not reproduce full prefill at recompute_ratio=1 on the "
                                "built-in check with this model; every request is served by full prefill",
