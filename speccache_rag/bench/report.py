@@ -258,13 +258,16 @@ def _goals(summary: dict, rows: list[dict]) -> list[str]:
 
 
 def _task_pair(rows: list[dict], m: str, b: str, task: str) -> str:
-    """One task's paired comparison on the prompts both methods have: mean scores, wins / losses and the
-    permutation test of the mean."""
-    per = {k: {r["example"]: r["score"] for r in rows if r["method"] == k} for k in (m, b)}
+    """One task's paired comparison on the prompts both methods have: mean scores, wins / losses, the
+    permutation test of the mean, and how often each gave full's own answer (a task full itself often
+    gets wrong cannot be won by reproducing full)."""
+    per = {k: {r["example"]: r for r in rows if r["method"] == k} for k in (m, b)}
     both = sorted(set(per[m]) & set(per[b]))
+    score = {k: _fmt(mean([per[k][e]["score"] for e in both])) for k in (m, b)}
+    same = {k: sum(bool(per[k][e].get("same_continuation")) for e in both) for k in (m, b)}
     w, l, _ = paired(rows, m, b, "score")
-    return (f"{task} {_fmt(mean([per[m][e] for e in both]))} vs {_fmt(mean([per[b][e] for e in both]))}, {w}/{l}, "
-            f"mean p = {mean_diff_p(paired_diffs(rows, m, b, 'score')):.3g}")
+    return (f"{task} {score[m]} vs {score[b]}, {w}/{l}, mean p = {mean_diff_p(paired_diffs(rows, m, b, 'score')):.3g}, "
+            f"full's answer {same[m]}/{len(both)} vs {same[b]}/{len(both)}")
 
 
 def _plots(out: Path, slug: str, summary: dict, sweep: dict, ttft: dict) -> list[str]:
