@@ -96,6 +96,30 @@ def test_method_names():
             parse_method(bad)
 
 
+def test_static_scores_read_each_chunk_under_the_engines_sink_policy(smollm2):
+    """The ``static`` experiment's ingestion-time draft pass follows the chunk-KV policy: behind the template
+    prefix, the first chunk of a prompt reads exactly what it reads in the prompt, so its static norms equal
+    its in-prompt norms; behind BOS alone they do not."""
+    from speccache_rag.bench.methods import BenchEngine
+    from speccache_rag.prompt import RAGPrompt, render
+    from speccache_rag.selection import hidden_states
+    from speccache_rag.selection.base import deep_layer_norms
+
+    model, tok = smollm2
+    chunks = ["Kiagammere was founded by Ilsa Varn in the valley of the river Oss.", "Ilsa Varn was born in Dulby."]
+    tokens = render(RAGPrompt(chunks=chunks, question="Where was the founder of Kiagammere born?"), tok)
+    first = tokens.chunk_segments()[0]
+    gap = {}
+    for sink in ("prefix", "bos"):
+        engine = BenchEngine(model, tok, store="memory://", draft=model, draft_tokenizer=tok, sink=sink)
+        engine.prepare_draft(chunks)
+        static = engine._static_scores(tokens)[first.start:first.end]
+        in_prompt = deep_layer_norms(hidden_states(engine.draft_ops, tokens.ids), engine.draft_ops.num_layers,
+                                     engine.fraction)[first.start:first.end]
+        gap[sink] = float((static - in_prompt).abs().max() / in_prompt.abs().max())
+    assert gap["prefix"] < 1e-4 and gap["bos"] > 1e-2, gap
+
+
 def test_suites_are_valid():
     for name in SUITES:
         get_suite(name)

@@ -5,9 +5,9 @@ Method names used in suites and results:
     deviation@R · qattn@R · random@R · oracle@R · static@R
 
 ``static`` is an experiment (issue 5, part 6), implemented here on top of the engine without touching it:
-draft scores computed per chunk at ingestion (chunk alone, after the draft's sink token); zero draft
-cost at query time, but no cross-chunk signal. It feeds the same span expansion and cross-tokenizer
-mapping as speccache. (``deviation``, the other experiment of issue 5, is now an engine method.)
+draft scores computed per chunk at ingestion (chunk alone, after the draft's sink under the engine's
+chunk-KV policy); zero draft cost at query time, but no cross-chunk signal. It feeds the same span
+expansion and cross-tokenizer mapping as speccache. (``deviation``, the other experiment of issue 5, is now an engine method.)
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ class BenchEngine(SpecCacheEngine):
         # keyed by (draft, chunk text): the pairs of one target keep their drafts' artifacts side by side
         self._static: dict[tuple[int, str], torch.Tensor] = {}
         self._memo: dict[tuple, dict[int, torch.Tensor]] | None = None
-        self._draft_sink = sink_token_ids(self.draft_tokenizer)
+        self._draft_sink = sink_token_ids(self.draft_tokenizer, self.sink)
         self._layer_ops = {id(self.target): self.ops, id(self.draft): self.draft_ops}
 
     def use_draft(self, draft, draft_tokenizer) -> None:
@@ -111,7 +111,7 @@ class BenchEngine(SpecCacheEngine):
         if id(draft) not in self._layer_ops:      # one LayerOps per model: memo keys are ids and stay valid
             self._layer_ops[id(draft)] = HFLayers(draft)
         self.draft, self.draft_tokenizer, self.draft_ops = draft, draft_tokenizer, self._layer_ops[id(draft)]
-        self._draft_sink = sink_token_ids(draft_tokenizer)
+        self._draft_sink = sink_token_ids(draft_tokenizer, self.sink)
 
     # ---- ingestion-time draft artifacts ------------------------------------------------------
     @torch.inference_mode()

@@ -5,9 +5,8 @@ For every chunk token: the mean, over the draft's last ``draft_layers`` of layer
 where h_prompt is its residual when the draft reads the whole prompt and h_alone when it reads the chunk
 alone after its sink (the engine's chunk-KV policy in the draft's tokens, as the stored KV was computed).
 Then the paper's steps 2 and 3. The chunk-alone passes run at query time, one per reused chunk, so the
-draft reads the chunk text twice; storing h_alone
-with the chunk at ingestion would remove that cost but change the store format, which the measured quality
-(docs/benchmarks.md) does not justify.
+draft reads the chunk text twice; storing h_alone with the chunk at ingestion would remove that cost but
+change the store format, which the measured quality (docs/benchmarks.md) does not justify.
 """
 from __future__ import annotations
 
