@@ -183,3 +183,22 @@ def test_deviation_reads_chunks_alone_under_the_engines_sink_policy(smollm2):
     out = engine.generate(prompt, max_new_tokens=2, reuse=ReuseConfig(method="deviation"))
     assert out.stats.method == "deviation" and out.stats.cache_hits == 2 and out.stats.cache_misses == 1
     assert 0 < out.stats.recomputed_tokens < out.stats.prompt_tokens
+
+
+def test_qattn_chunk_sinks_stay_inside_their_chunk_and_leave_the_probe_alone():
+    """``qattn_sink`` boosts each chunk's first k tokens, never the tokens after a chunk shorter than k, and
+    scoring does not rewrite the probe's accumulated attention."""
+    from speccache_rag.selection.question_attention import QuestionAttention, qattn_scores
+
+    tok = load_tokenizer("smollm2-135m")
+    tokens = render(RAGPrompt(chunks=["Short.", *CHUNKS], question=QUESTION), tok)
+    short = tokens.chunk_segments()[0]
+    k = short.end - short.start + 3
+    sel = Selection(tokens, torch.ones(len(tokens), dtype=torch.bool), 10, ReuseConfig(qattn_sink=k))
+    probe = QuestionAttention(torch.arange(0), torch.arange(0), range(1), 1.0, len(tokens))
+    probe.scores = torch.rand(len(tokens))
+    before = probe.scores.clone()
+    boosted = (qattn_scores(probe, sel) > 100).nonzero().flatten().tolist()
+    assert torch.equal(probe.scores, before)
+    assert boosted == [p for s in tokens.chunk_segments() for p in range(s.start, min(s.end, s.start + k))]
+    assert short.end not in boosted

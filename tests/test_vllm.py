@@ -255,7 +255,7 @@ def test_torch_and_vllm_run_one_blend_same_positions_same_kv(engine, kv_dir, pro
     runs = []
     for ops in (torch_engine.ops, VllmLayers(current_model())):
         blender = Blender(ops, store, torch_engine.fingerprint, torch_engine.blender.sink_ids,
-                          draft=lambda: (torch_engine.draft_ops, torch_engine.draft_tokenizer))
+                          draft=lambda: (torch_engine.draft_ops, torch_engine.draft_tokenizer), sink=torch_engine.sink)
         cache = KVCache.empty(ops, len(tokens))
         blended = blender.blend(tokens, cache, reuse, GenerationStats(method, len(tokens)), prompt=prompt)
         runs.append((blended.recomputed, cache))

@@ -19,7 +19,8 @@ def cacheblend_prefill(ops, cache: KVCache, sel: Selection, always: torch.Tensor
     n = len(sel.tokens)
     v_cached = cache.v[c, :, :n].clone()                                    # [KVH, N, D]
     h = run_layers(ops, cache, ops.embed(sel.tokens.ids), torch.arange(n), layers=range(c + 1))
-    deviation = (cache.v[c, :, :n] - v_cached).pow(2).sum(dim=(0, 2))      # [N]
+    # float32: bfloat16 squared distances keep ~3 digits and tie near the top-r threshold
+    deviation = (cache.v[c, :, :n].float() - v_cached.float()).pow(2).sum(dim=(0, 2))      # [N]
     candidates = sel.reusable_positions
     chosen = top_positions(deviation, candidates, min(sel.budget, adaptive_budget(deviation[candidates], sel.config)))
     keep = torch.cat([chosen, always]).unique()                             # sorted

@@ -24,7 +24,8 @@ def scored_layers(num_layers: int, span: tuple[float, float]) -> range:
 
 
 class QuestionAttention:
-    """Accumulates, per key position, the attention the question rows pay it (mean over heads, rows, layers).
+    """Accumulates, per key position, the attention the question rows pay it (mean over rows and layers; mean
+    or max over heads).
 
     rows: indices into the recomputed tokens of the question rows; row_pos: their true positions [Q]."""
 
@@ -55,10 +56,10 @@ def qattn_scores(probe: QuestionAttention, sel: Selection) -> torch.Tensor:
     """The probe's scores, pooled, with each chunk's first ``qattn_sink`` tokens (its private attention
     sink, as EPIC keeps) ahead of every other token."""
     cfg = sel.config
-    scores = pool(probe.scores, cfg.qattn_pool)
+    scores = pool(probe.scores, cfg.qattn_pool).clone()
     if cfg.qattn_sink:
         for seg in sel.tokens.chunk_segments():
-            scores[seg.start:seg.start + cfg.qattn_sink] += 1e3
+            scores[seg.start:min(seg.end, seg.start + cfg.qattn_sink)] += 1e3
     return scores
 
 

@@ -15,13 +15,14 @@ def reuse_select(sel: Selection, ops=None) -> torch.Tensor:
 
 @position_selector("epic")
 def epic_select(sel: Selection, ops=None) -> torch.Tensor:
-    """The first k tokens of every reused chunk (EPIC / LegoLink); k fills the budget when unset."""
+    """The first k tokens of every reused chunk (EPIC / LegoLink); unset, k is the largest that fits the budget."""
     reused = sel.reused_chunks()
     chunks = [torch.arange(s.start, s.end) for s in sel.tokens.chunk_segments() if s.chunk in reused]
     k = sel.config.epic_k
     if k is None:
         k = 0
-        while k < max((len(c) for c in chunks), default=0) and sum(min(k, len(c)) for c in chunks) < sel.budget:
+        longest = max((len(c) for c in chunks), default=0)
+        while k < longest and sum(min(k + 1, len(c)) for c in chunks) <= sel.budget:
             k += 1
     picked = [c[:k] for c in chunks]
     return torch.cat(picked) if picked else torch.empty(0, dtype=torch.long)
