@@ -24,7 +24,7 @@ from ..runner import full_prefill
 from ..selection import Selection, hidden_states
 from ..selection.base import deep_layer_norms
 from ..selection.registry import recompute_picked
-from ..selection.speculative import select_by_draft_scores
+from ..selection.speculative import select_by_draft
 
 FAMILIES = ("epic", "cacheblend", "speccache", "norm", "qattn", "random", "oracle", "static", "deviation")
 DRAFT_FAMILIES = ("speccache", "norm", "static", "deviation")
@@ -160,8 +160,7 @@ class BenchEngine(SpecCacheEngine):
             return super().selector(method)
 
         def select(sel: Selection, ops=None) -> torch.Tensor:
-            draft_tokens = sel.draft_tokens()
-            return select_by_draft_scores(sel, draft_tokens, self._static_scores(draft_tokens))
+            return select_by_draft(sel, self._static_scores)
 
         return recompute_picked(select)
 

@@ -8,8 +8,6 @@ This is ``speccache``; the paper's deep-layer norm scorer is ``norm`` (``specula
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..prompt import TokenizedPrompt
@@ -17,7 +15,7 @@ from ..runner import full_prefill
 from .base import Selection
 from .question_attention import QuestionAttention, pool, question_start, scored_layers
 from .registry import position_selector
-from .speculative import select_by_draft_scores
+from .speculative import select_by_draft
 
 
 def draft_question_rows(draft_tokens: TokenizedPrompt) -> torch.Tensor:
@@ -38,8 +36,4 @@ def draft_attention_scores(draft, draft_tokens: TokenizedPrompt, sel: Selection)
 
 @position_selector("speccache")
 def draft_attention_select(sel: Selection, ops=None) -> torch.Tensor:
-    draft_tokens = sel.draft_tokens()
-    t = time.perf_counter()
-    scores = draft_attention_scores(sel.draft, draft_tokens, sel)
-    sel.timings["draft_forward_s"] = time.perf_counter() - t
-    return select_by_draft_scores(sel, draft_tokens, scores)
+    return select_by_draft(sel, lambda draft_tokens: draft_attention_scores(sel.draft, draft_tokens, sel))

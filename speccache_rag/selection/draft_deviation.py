@@ -10,14 +10,12 @@ change the store format, which the measured quality (docs/benchmarks.md) does no
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..prompt import TokenizedPrompt, sink_token_ids
 from .base import Selection, deep_layers
 from .registry import position_selector
-from .speculative import select_by_draft_scores
+from .speculative import select_by_draft
 
 
 @torch.inference_mode()
@@ -41,8 +39,4 @@ def deviation_scores(sel: Selection, draft_tokens: TokenizedPrompt) -> torch.Ten
 
 @position_selector("deviation")
 def deviation_select(sel: Selection, ops=None) -> torch.Tensor:
-    draft_tokens = sel.draft_tokens()
-    t = time.perf_counter()
-    scores = deviation_scores(sel, draft_tokens)
-    sel.timings["draft_forward_s"] = time.perf_counter() - t
-    return select_by_draft_scores(sel, draft_tokens, scores)
+    return select_by_draft(sel, lambda draft_tokens: deviation_scores(sel, draft_tokens))

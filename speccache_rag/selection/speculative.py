@@ -9,6 +9,7 @@ milliseconds, next to the draft's forward pass.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -92,9 +93,16 @@ def map_to_target(draft_tokens: TokenizedPrompt, target_tokens: TokenizedPrompt)
 @position_selector("norm")
 def speculative_select(sel: Selection, ops=None) -> torch.Tensor:
     """The paper's method: the draft reads the whole prompt; its deep-layer norms choose the tokens."""
+    return select_by_draft(sel, lambda draft_tokens: score(sel.draft, draft_tokens, sel.config.draft_layers,
+                                                           sel.hidden_states))
+
+
+def select_by_draft(sel: Selection, scorer: Callable[[TokenizedPrompt], torch.Tensor]) -> torch.Tensor:
+    """Every draft scorer's selection: ``scorer(draft_tokens) -> [Nd]`` (timed as the draft's forward), then
+    steps 2 and 3."""
     draft_tokens = sel.draft_tokens()
     t = time.perf_counter()
-    scores = score(sel.draft, draft_tokens, sel.config.draft_layers, sel.hidden_states)
+    scores = scorer(draft_tokens)
     sel.timings["draft_forward_s"] = time.perf_counter() - t
     return select_by_draft_scores(sel, draft_tokens, scores)
 
