@@ -60,6 +60,8 @@ class Blender:
         reusable = torch.zeros(len(tokens), dtype=torch.bool)
         missed = []
         for seg in tokens.chunk_segments():
+            if seg.end == seg.start:        # an empty span (vllm serve's spans may hold one): nothing to load
+                continue
             ids = tokens.token_ids[seg.start:seg.end]
             entry = self.store.get((keys or {}).get(seg.start) or chunk_key(self.fingerprint, ids))
             n = len(ids)

@@ -247,3 +247,28 @@ def test_draft_selection_without_the_rag_prompt_equals_the_selection_with_it():
     got = speculative_select(without)
     assert got.tolist() == speculative_select(with_prompt).tolist()
     assert len(got) == budget
+
+
+def test_an_empty_chunk_span_is_neither_a_hit_nor_a_miss():
+    """vllm serve passes chunk spans as given; an empty one must not reach the store or a zero-token prefill
+    (which has no sink to stand on under ``sink="none"``)."""
+    from speccache_rag.blend import Blender
+    from speccache_rag.layers import HFLayers
+    from speccache_rag.runner import KVCache
+    from speccache_rag.output import GenerationStats
+    from speccache_rag.store.memory import MemoryStore
+    from tiny_models import tiny_random_model
+
+    tok = load_tokenizer("smollm2-135m")
+    model, _ = tiny_random_model("llama", tokenizer=tok)
+    ops = HFLayers(model)
+    rendered = render(RAGPrompt(chunks=CHUNKS[:2], question="How heavy is it?"), tok)
+    first, second = rendered.chunk_segments()
+    tokens = segments_from_spans(tok, rendered.token_ids, [(first.start, first.end), (first.end, first.end),
+                                                           (second.start, second.end)])
+    blender = Blender(ops, MemoryStore(), "tiny", [], sink="none")
+    for _ in range(2):                                   # a cold store, then the chunks it stored
+        stats = GenerationStats("qattn", len(tokens))
+        blended = blender.blend(tokens, KVCache.empty(ops, len(tokens)), ReuseConfig(), stats)
+        blender.store_missed(tokens, blended.missed, stats)
+    assert (stats.cache_hits, stats.cache_misses) == (2, 0)
