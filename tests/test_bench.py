@@ -88,34 +88,12 @@ def test_method_names():
     assert parse_method("static@0.1").reuse_config().method == "norm"      # the norm family's spans and map
     assert parse_method("norm@0.15").uses_draft and parse_method("norm@0.15").reuse_config().method == "norm"
     assert parse_method("deviation@0.2").uses_draft and not parse_method("cacheblend@0.2").uses_draft
-    assert parse_method("qattn2@0.15").reuse_config().method == "qattn" and not parse_method("qattn2@0.1").uses_draft
     auto = parse_method("qattn@auto:0.9").reuse_config()
     assert (auto.recompute_ratio, auto.auto_mass) == ("auto", 0.9)
     assert parse_method("qattn@auto").reuse_config().auto_mass == ReuseConfig().auto_mass
     for bad in ("nope", "speccache@2", "epic-kx", "speccache", "qattn@auto:0", "qattn@auto:x", "norm@auto:0.5"):
         with pytest.raises(ValueError):
             parse_method(bad)
-
-
-def test_two_round_qattn_spends_the_budget_and_equals_full_at_r1(smollm2):
-    from speccache_rag.bench.methods import BenchEngine
-    from speccache_rag.prompt import RAGPrompt, render
-    from speccache_rag.selection import budget_for
-
-    model, tok = smollm2
-    chunks = ["Kiagammere was founded by Ilsa Varn in the valley of the river Oss, " * 3,
-              "Ilsa Varn was born in Dulby, a town of bridges and mills. " * 3]
-    prompt = RAGPrompt(chunks=chunks, question="Where was the founder of Kiagammere born?")
-    engine = BenchEngine(model, tok, store="memory://")
-    engine.precompute(chunks)
-    n = len(render(prompt, tok))
-    reusable = sum(s.end - s.start for s in render(prompt, tok).chunk_segments())
-    full = engine.run(parse_method("full"), prompt, 3, first_logits=True)
-    for r in (0.3, 1.0):
-        out = engine.run(parse_method(f"qattn2@{r}"), prompt, 3, first_logits=True)
-        assert out.stats.recomputed_tokens == n - reusable + budget_for(r, reusable)
-    torch.testing.assert_close(out.first_logits, full.first_logits, atol=1e-4, rtol=1e-4)
-    assert out.token_ids == full.token_ids
 
 
 def test_static_scores_read_each_chunk_under_the_engines_sink_policy(smollm2):

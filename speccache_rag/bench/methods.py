@@ -1,14 +1,14 @@
-"""Benchmark methods: names ↔ ReuseConfig, and the experimental selectors ``static`` and ``qattn2``.
+"""Benchmark methods: names ↔ ReuseConfig, and the experimental ``static`` selector beyond the paper.
 
 Method names used in suites and results:
     full · reuse · epic@R (the largest k within the budget) · epic-kK · cacheblend@R · speccache@R · norm@R ·
-    deviation@R · qattn@R · random@R · oracle@R · static@R · qattn2@R
+    deviation@R · qattn@R · random@R · oracle@R · static@R
 
 ``static`` is an experiment (issue 5, part 6), implemented here on top of the engine without touching it:
 draft scores computed per chunk at ingestion (chunk alone, after the draft's sink under the engine's
 chunk-KV policy); zero draft cost at query time, but no cross-chunk signal. It feeds the same span
 expansion and cross-tokenizer mapping as speccache. (``deviation``, the other experiment of issue 5, is now
-an engine method.) ``qattn2`` (``two_round_qattn``) is qattn in two rounds, a lead for small targets.
+an engine method; ``qattn2``, qattn in two rounds, was measured and removed: docs/benchmarks.md.)
 """
 from __future__ import annotations
 
@@ -21,16 +21,15 @@ from ..config import AUTO_METHODS, ReuseConfig
 from ..engine import SpecCacheEngine
 from ..layers import HFLayers
 from ..prompt import RAGPrompt, TokenizedPrompt, sink_token_ids, tokenize_piece
-from ..runner import KVCache, full_prefill, prefill
+from ..runner import full_prefill
 from ..selection import Selection, hidden_states
-from ..selection.base import deep_layer_norms, top_positions
-from ..selection.question_attention import qattn_scores, question_probe
-from ..selection.registry import SELECTORS, recompute_picked
+from ..selection.base import deep_layer_norms
+from ..selection.registry import recompute_picked
 from ..selection.speculative import select_by_draft
 
-FAMILIES = ("epic", "cacheblend", "speccache", "norm", "qattn", "random", "oracle", "static", "deviation", "qattn2")
+FAMILIES = ("epic", "cacheblend", "speccache", "norm", "qattn", "random", "oracle", "static", "deviation")
 DRAFT_FAMILIES = ("speccache", "norm", "static", "deviation")
-EXPERIMENTS = {"static": "norm", "qattn2": "qattn"}   # bench-only selectors → the engine method whose config they take
+EXPERIMENTS = ("static",)
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ class MethodSpec:
             return ReuseConfig(method="reuse", recompute_ratio=0.0)
         if self.family == "epic" and self.epic_k is not None:
             return ReuseConfig(method="epic", epic_k=self.epic_k, recompute_ratio=1.0)
-        engine_method = EXPERIMENTS.get(self.family, self.family)
+        engine_method = "norm" if self.family in EXPERIMENTS else self.family
         mass = {} if self.auto_mass is None else {"auto_mass": self.auto_mass}
         return ReuseConfig(method=engine_method, recompute_ratio=self.ratio, **mass)
 
@@ -160,8 +159,6 @@ class BenchEngine(SpecCacheEngine):
     def selector(self, method: str):
         if self.variant is None:
             return super().selector(method)
-        if self.variant == "qattn2":
-            return two_round_qattn
 
         def select(sel: Selection, ops=None) -> torch.Tensor:
             return select_by_draft(sel, self._static_scores)
@@ -186,25 +183,3 @@ class BenchEngine(SpecCacheEngine):
                                  stop=stop, return_first_logits=first_logits)
         finally:
             self.variant = None
-
-
-@torch.inference_mode()
-def two_round_qattn(ops, cache: KVCache, sel: Selection, always: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``qattn2``: qattn in two rounds — half the budget by the question's attention over the reused KV, those
-    tokens recomputed, then the other half by the question's attention over the partly repaired KV (a small
-    target's question reads stale chunks poorly). One more question pass than qattn, and the first half's
-    tokens after the second half's first are recomputed twice."""
-    ids, candidates = sel.tokens.ids, sel.reusable_positions
-    if sel.budget == 0 or sel.budget >= candidates.numel() or sel.budget < 2:
-        return SELECTORS["qattn"](ops, cache, sel, always)
-    probe = question_probe(ops, sel, always)
-    prefill(ops, cache, ids[always], always, observe=probe)
-    half = sel.budget // 2
-    first = top_positions(qattn_scores(probe, sel), candidates, half)
-    again = torch.cat([first, always[always > first[0]]]).unique()
-    probe = question_probe(ops, sel, again)
-    prefill(ops, cache, ids[again], again, observe=probe)
-    second = top_positions(qattn_scores(probe, sel), candidates[~torch.isin(candidates, first)], sel.budget - half)
-    done = torch.cat([first, always]).unique()
-    last = torch.cat([second, done[done > second[0]]]).unique()
-    return prefill(ops, cache, ids[last], last), torch.cat([second, done]).unique()
