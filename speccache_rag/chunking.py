@@ -6,6 +6,7 @@ function here is deterministic in its inputs (text, ``max_tokens`` and the token
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -14,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "MIN_CHUNK_TOKENS", "DOC_SUFFIXES", "Chunk", "Document", "approx_tokens",
+__all__ = ["DEFAULT_CHUNK_TOKENS", "MIN_CHUNK_TOKENS", "DOC_SUFFIXES", "Chunk", "Document", "Documents", "approx_tokens",
            "chunk_text", "chunk_documents", "load_documents", "rank_chunks", "token_counter"]
 
 DEFAULT_CHUNK_TOKENS = 256
@@ -22,6 +23,7 @@ MIN_CHUNK_TOKENS = 16
 DOC_SUFFIXES = (".txt", ".md")
 
 TokenCounter = Callable[[str], int]
+logger = logging.getLogger(__name__)
 
 _PARAGRAPH_RE = re.compile(r"\n\s*\n")
 _SENTENCE_RE = re.compile(r"(?<=[.!?])\s+")
@@ -127,9 +129,18 @@ def chunk_text(text: str, max_tokens: int = DEFAULT_CHUNK_TOKENS, count: TokenCo
     return _pack(units, "\n\n", max_tokens, count, prefix=heading)
 
 
-def load_documents(paths: Iterable[str | os.PathLike]) -> list[Document]:
+class Documents(list):
+    """``load_documents``' result: the documents read, and ``skipped``: (path, why) of each file passed over."""
+
+    skipped: list[tuple[str, str]]
+
+
+def load_documents(paths: Iterable[str | os.PathLike], strict: bool = False,
+                   warn: Callable[[str], None] | None = None) -> Documents:
     """The documents at ``paths``: files as given, directories searched (recursively, sorted) for
-    ``.txt`` and ``.md`` files, hidden files and folders skipped. Files are read as UTF-8."""
+    ``.txt`` and ``.md`` files, hidden files and folders skipped. Files are read as UTF-8; one that cannot
+    be read as text is skipped with one warning (``warn``, default: logged), as LlamaIndex's directory
+    reader does, or with ``strict`` stops the load with ``ValueError``. A missing path always raises ``FileNotFoundError``."""
     files: list[Path] = []
     for raw in paths:
         path = Path(raw).expanduser()
@@ -144,7 +155,8 @@ def load_documents(paths: Iterable[str | os.PathLike]) -> list[Document]:
             files.append(path)
         else:
             raise FileNotFoundError(f"no such file or directory: {raw}")
-    docs: list[Document] = []
+    docs = Documents()
+    docs.skipped = []
     seen: set[Path] = set()
     for f in files:
         if f.resolve() in seen:
@@ -152,8 +164,12 @@ def load_documents(paths: Iterable[str | os.PathLike]) -> list[Document]:
         seen.add(f.resolve())
         try:
             docs.append(Document(str(f), f.read_text(encoding="utf-8")))
-        except UnicodeDecodeError:
-            raise ValueError(f"{f} is not UTF-8 text") from None
+        except (UnicodeDecodeError, OSError) as e:
+            why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else (e.strerror or type(e).__name__)
+            if strict:
+                raise ValueError(f"{f} is {why}" if why == "not UTF-8 text" else f"cannot read {f}: {why}") from None
+            (warn or logger.warning)(f"skipped {f}: {why}")
+            docs.skipped.append((str(f), why))
     return docs
 
 

@@ -6,6 +6,7 @@ stderr and exit with status 2; set ``SPECCACHE_DEBUG=1`` to get the traceback in
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import sys
@@ -76,15 +77,29 @@ def _engine(args: argparse.Namespace, draft: str | None, store):
     engine = SpecCacheEngine.from_pretrained(target=args.target, draft=draft, store=store, dtype=args.dtype,
                                              threads=args.threads)
     pair = args.target if draft in (None, args.target) else f"{args.target} (draft {draft})"
+    ls = engine.load_stats
     _err(f"loaded {pair} in {time.perf_counter() - t:.1f}s ({engine.dtype}, {torch.get_num_threads()} threads); "
          f"store: {store}")
+    _err(f"{ls.gate_line()}" + (f"; warm-up {ls.warmup_s:.1f} s" if ls.warmup_s else "")
+         + " (one-time, outside every request's TTFT)")
     return engine
 
 
-def _chunks(tokenizer, paths: Sequence[str], chunk_tokens: int) -> list[Chunk]:
-    chunks = chunk_documents(load_documents(paths), chunk_tokens, token_counter(tokenizer))
+def _documents(paths: Sequence[str], strict: bool):
+    """The documents at ``paths`` (before any model loads, so a missing path fails fast); files that are not
+    text are skipped with one warning each unless ``strict``."""
+    return load_documents(paths, strict=strict, warn=lambda message: _err(f"warning: {message}"))
+
+
+def _skipped_note(docs) -> str:
+    n = len(docs.skipped)
+    return f"; skipped {n} unreadable file{'s' if n != 1 else ''}" if n else ""
+
+
+def _chunks(tokenizer, docs, chunk_tokens: int) -> list[Chunk]:
+    chunks = chunk_documents(docs, chunk_tokens, token_counter(tokenizer))
     if not chunks:
-        raise ValueError(f"no text found in {', '.join(map(str, paths))}")
+        raise ValueError(f"no text found in {', '.join(sorted({d.source for d in docs})) or 'the given paths'}")
     return chunks
 
 
@@ -102,13 +117,6 @@ def _precompute(engine, texts: Sequence[str]) -> int:
     before = _stored(engine, texts)
     engine.precompute(texts, progress=True)
     return before.count(False)
-
-
-def _warm_up(engine) -> None:
-    """One throw-away generation, so that the first timed one does not pay for one-time set-up."""
-    from .prompt import RAGPrompt
-
-    engine.generate(RAGPrompt(question="Hello"), max_new_tokens=1, reuse=ReuseConfig(method="full"))
 
 
 def _stats_line(stats) -> str:
@@ -149,31 +157,32 @@ def _matches(answer: str, expected: Sequence[str]) -> bool:
 # commands
 # --------------------------------------------------------------------------------------------------
 def cmd_precompute(args: argparse.Namespace) -> int:
-    load_documents(args.paths)  # fail on a missing path before loading the model
+    docs = _documents(args.paths, args.strict)
     if args.ray:
-        return _ray_precompute(args)
+        return _ray_precompute(args, docs)
     engine = _engine(args, None, args.store)
     try:
-        chunks = _chunks(engine.tokenizer, args.paths, args.chunk_tokens)
+        chunks = _chunks(engine.tokenizer, docs, args.chunk_tokens)
         texts = [c.text for c in chunks]
         t = time.perf_counter()
         new = _precompute(engine, texts)
         sources = len({c.source for c in chunks})
         print(f"{len(texts)} chunks from {sources} documents: {new} new entries, {len(texts) - new} already "
-              f"stored ({time.perf_counter() - t:.1f}s); store: {args.store}")
+              f"stored ({time.perf_counter() - t:.1f}s){_skipped_note(docs)}; store: {args.store}")
     finally:
         engine.close()
     return 0
 
 
-def _ray_precompute(args: argparse.Namespace) -> int:
+def _ray_precompute(args: argparse.Namespace, docs) -> int:
     from .models import load_tokenizer
     from .ray_precompute import ray_precompute
 
-    chunks = _chunks(load_tokenizer(args.target), args.paths, args.chunk_tokens)
+    chunks = _chunks(load_tokenizer(args.target), docs, args.chunk_tokens)
     summary = ray_precompute([c.text for c in chunks], args.target, str(args.store), dtype=args.dtype,
                              actors=args.actors, address=args.address)
-    print(f"{summary.line()} from {len({c.source for c in chunks})} documents; store: {args.store}")
+    print(f"{summary.line()} from {len({c.source for c in chunks})} documents{_skipped_note(docs)}; "
+          f"store: {args.store}")
     return 0 if not summary.failed else 1
 
 
@@ -182,13 +191,13 @@ def cmd_ask(args: argparse.Namespace) -> int:
         raise UsageError("the question is empty")
     reuse = ReuseConfig(method=args.method, recompute_ratio=args.ratio)
     offload = OffloadConfig(bits=args.offload, topk=args.offload_topk) if args.offload else None
-    load_documents([args.docs])
+    docs = _documents([args.docs], args.strict)
     # only the draft-scored methods run the draft; don't load one for the others
     engine = _engine(args, args.draft if args.method in DRAFT_METHODS else None, args.store)
     try:
         from .prompt import RAGPrompt
 
-        chunks = _chunks(engine.tokenizer, [args.docs], args.chunk_tokens)
+        chunks = _chunks(engine.tokenizer, docs, args.chunk_tokens)
         picked = [chunks[i] for i in rank_chunks(args.question, [c.text for c in chunks], args.top_k)]
         if not picked:
             _err("note: no chunk shares a word with the question; answering without context")
@@ -199,7 +208,6 @@ def cmd_ask(args: argparse.Namespace) -> int:
                 _err(f"note: {missing} of {len(picked)} chunks are not in the store; they are recomputed this "
                      f"time and stored for next time (run 'speccache-rag precompute' first)")
         prompt = RAGPrompt(chunks=[c.text for c in picked], question=args.question)
-        _warm_up(engine)
         if args.stream:
             stream = engine.stream(prompt, max_new_tokens=args.max_new_tokens, reuse=reuse, offload=offload)
             for piece in stream:
@@ -274,19 +282,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
         store = args.store or os.path.join(tmp, "kv")
         engine = _engine(args, args.draft if args.method in DRAFT_METHODS else None, store)
         try:
-            chunks = _chunks(engine.tokenizer, [demo_dir()], args.chunk_tokens)
+            chunks = _chunks(engine.tokenizer, load_documents([demo_dir()], strict=True), args.chunk_tokens)
             print(f"Demo: {len(chunks)} chunks of up to {args.chunk_tokens} tokens from the invented town of "
                   f"Brennock Harbour ({demo_dir()})")
+            ls = engine.load_stats
+            print(ls.gate_line() + (f"; warm-up {ls.warmup_s:.1f} s" if ls.warmup_s else ""))
             new = _precompute(engine, [c.text for c in chunks])
             print(f"precomputed: {new} new KV entries, {len(chunks) - new} already stored")
             if args.method in DRAFT_METHODS and args.draft in (None, args.target):
                 print("note: the draft is the target itself, so choosing tokens costs a full draft prefill; "
                       "TTFT gains come with a draft smaller than the target")
-            _warm_up(engine)
+            print("TTFT: from the call to the first token, every question alike: the gate, model loading and "
+                  "warm-up are one-time costs paid above")
 
             reuse = ReuseConfig(method=args.method, recompute_ratio=args.ratio)
             name = args.method
-            ttft = {"full": [], name: []}
+            ratios: list[float] = []
             right = {"full": 0, name: 0}
             same = 0
             questions = demo_questions()
@@ -302,20 +313,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     outs[label] = out
                     ok = _matches(out.text, [q["answer"], *q.get("aliases", [])])
                     right[label] += ok
-                    ttft[label].append(out.stats.ttft_s)
                     print(f"    {label:<10} TTFT {out.stats.ttft_s:6.3f}s  {_mark(ok)}  {_one_line(out.text)}")
                 s = outs[name].stats
-                same += outs[name].text.strip() == outs["full"].text.strip()
-                speedup = outs["full"].stats.ttft_s / max(s.ttft_s, 1e-9)
-                print(f"    TTFT full/{name} = {speedup:.2f}x; reused {s.reused_tokens} and recomputed "
+                identical = outs[name].text.strip() == outs["full"].text.strip()
+                same += identical
+                ratios.append(outs["full"].stats.ttft_s / max(s.ttft_s, 1e-9))
+                print(f"    TTFT full/{name} = {ratios[-1]:.2f}x; reused {s.reused_tokens} and recomputed "
                       f"{s.recomputed_tokens} of {s.prompt_tokens} prompt tokens; cache hits "
                       f"{s.cache_hits}/{s.cache_hits + s.cache_misses}; same answer as full: "
-                      f"{'yes' if outs[name].text.strip() == outs['full'].text.strip() else 'no'}")
-            mean = {k: sum(v) / len(v) for k, v in ttft.items()}
+                      f"{'yes' if identical else 'no'}")
             k = len(questions)
-            print(f"\nSummary over {k} questions ({engine.dtype}): mean TTFT full {mean['full']:.3f}s, {name} "
-                  f"{mean[name]:.3f}s ({mean['full'] / max(mean[name], 1e-9):.2f}x faster); answers containing the "
-                  f"expected text: full {right['full']}/{k}, {name} {right[name]}/{k}; identical to full: {same}/{k}")
+            geo = math.exp(sum(math.log(r) for r in ratios) / k)
+            print(f"\nSummary over {k} questions ({engine.dtype}): TTFT full/{name} geometric mean {geo:.2f}x "
+                  f"(per question {min(ratios):.2f}x to {max(ratios):.2f}x; {sum(r > 1 for r in ratios)}/{k} faster "
+                  f"than full); answers containing the expected text: full {right['full']}/{k}, {name} "
+                  f"{right[name]}/{k}; identical to full: {same}/{k}")
         finally:
             engine.close()
     return 0
@@ -348,6 +360,11 @@ def _add_chunk_args(p: argparse.ArgumentParser) -> None:
 def _add_store_arg(p: argparse.ArgumentParser, default: str | None, shown: str = "%(default)s") -> None:
     p.add_argument("--store", default=default, metavar="STORE",
                    help=f"KV store: a directory, memory:// or redis://host:port/db (default: {shown})")
+
+
+def _add_strict_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--strict", action="store_true",
+                   help="stop at the first file that cannot be read as UTF-8 text (default: skip it, with a warning)")
 
 
 def _ratio(text: str) -> float | str:
@@ -398,6 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=DEFAULT_TARGET, help="model whose KV is stored (default: %(default)s)")
     _add_compute_args(p)
     _add_chunk_args(p)
+    _add_strict_arg(p)
     p.add_argument("--ray", action="store_true", help="run on Ray Data: one model-holding actor per CPU "
                    "(needs a store every worker reaches: a shared directory or redis://)")
     p.add_argument("--address", default=None, help="--ray: the cluster to join (e.g. 'auto'; default: a local one)")
@@ -415,6 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", choices=METHODS, default=_DEFAULTS.method, help="(default: %(default)s)")
     _add_answer_args(p, GenerationConfig().max_new_tokens, "chunks in the prompt")
     p.add_argument("--stream", action="store_true", help="print the answer as it is generated")
+    _add_strict_arg(p)
     p.add_argument("--offload", type=_offload_bits, default=None, metavar="2bit|1bit",
                    help="decode with SpeCache offloading: a low-bit KV copy resident, top-k rows fetched each step")
     p.add_argument("--offload-topk", type=int, default=OffloadConfig().topk, metavar="K",

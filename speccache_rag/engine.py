@@ -1,7 +1,6 @@
 """SpecCacheEngine: precompute chunk KV once, then answer RAG prompts by blending it."""
 from __future__ import annotations
 
-import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -15,7 +14,7 @@ from .blend import Blender
 from .kv import ChunkKV, chunk_key, model_fingerprint
 from .layers import HFLayers
 from .offload import OffloadDecoder
-from .output import GenerationOutput, GenerationStats, GenerationStream, StreamingEngine
+from .output import GenerationOutput, GenerationStats, GenerationStream, LoadStats, StreamingEngine
 from .prompt import RAGPrompt, TokenizedPrompt, render, sink_token_ids, tokenize_piece
 from .runner import KVCache, decode_one
 from .sampling import StopTextBuffer, sample
@@ -48,9 +47,12 @@ class SpecCacheEngine(StreamingEngine):
                                draft=lambda: (self.draft_ops, self.draft_tokenizer),
                                hidden_states=self.hidden_states, selector=self.selector, sink=sink)
         self._eos_ids = self._eos_token_ids()
-        self.gate = gate
-        self._gate_failed: list[str] | None = None      # None: not yet known for this fingerprint
-        self._gate_lock = threading.Lock()
+        # One-time costs are paid here, so that the first request's TTFT means what the hundredth's does.
+        self.load_stats = LoadStats()
+        if gate:
+            self._check_gate()
+        if not gate or self.load_stats.gate_from_store:    # a gate that ran has warmed every path already
+            self._warm_up()
 
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, store: KVStore | str = "./.speccache/kv",
@@ -70,9 +72,13 @@ class SpecCacheEngine(StreamingEngine):
             raise ValueError(f"unknown backend {backend!r}: choose 'torch' or 'vllm'")
         from .models import load
 
+        t = time.perf_counter()
         model, tok = load(target, dtype=dtype)
         draft_model, draft_tok = (None, None) if draft in (None, target) else load(draft, dtype=dtype)
-        return cls(model, tok, store=store, draft=draft_model, draft_tokenizer=draft_tok, name=target, **kwargs)
+        loaded = time.perf_counter() - t
+        engine = cls(model, tok, store=store, draft=draft_model, draft_tokenizer=draft_tok, name=target, **kwargs)
+        engine.load_stats.model_load_s = loaded
+        return engine
 
     # ---- ingestion ------------------------------------------------------------------------------
     def precompute(self, texts: Iterable[str], progress: bool = False) -> list[str]:
@@ -186,20 +192,37 @@ class SpecCacheEngine(StreamingEngine):
         stats.total_s = time.perf_counter() - start
         stream.output = GenerationOutput(buffer.text, out_ids, stats, finish, first_logits)
 
-    def _gated(self, reuse: ReuseConfig) -> ReuseConfig:
-        """``reuse``, or full prefill if this model failed the correctness gate (``gate.py``)."""
-        if not self.gate or reuse.method == "full" or self._gate_failed == []:
-            return reuse
-        with self._gate_lock:
-            if self._gate_failed is None:
-                from . import gate
+    def _check_gate(self) -> None:
+        """The correctness gate (``gate.py``) for this model and store: read from the store, else run now."""
+        from . import gate
 
-                self._gate_failed = gate.verdict(self.store, self.blender, self.tokenizer, "torch", self.name)
-                if self._gate_failed:
-                    warnings.warn(f"{self.name}: methods {', '.join(self._gate_failed)} do not reproduce full "
-                                  "prefill at recompute_ratio=1 on the built-in check; serving full prefill only",
-                                  stacklevel=3)
-        return ReuseConfig(method="full") if self._gate_failed else reuse
+        t = time.perf_counter()
+        failed = gate.remembered(self.store, self.fingerprint, "torch")
+        from_store = failed is not None
+        if failed is None:
+            failed = gate.verdict(self.store, self.blender, self.tokenizer, "torch", self.name)
+        self.load_stats.gate_s = time.perf_counter() - t
+        self.load_stats.gate_methods, self.load_stats.gate_failed = len(gate.CHECKED), failed
+        self.load_stats.gate_from_store = from_store
+        if failed:
+            warnings.warn(f"{self.name}: methods {', '.join(failed)} do not reproduce full prefill at "
+                          "recompute_ratio=1 on the built-in check; serving full prefill only", stacklevel=3)
+
+    def _warm_up(self) -> None:
+        """The built-in prompt through the default method (and the draft's, with a draft): first-call kernel
+        set-up and lazy imports happen here, not in a request."""
+        from .gate import probe
+
+        t = time.perf_counter()
+        run = probe(self.blender, self.tokenizer)
+        with torch.inference_mode():
+            for method in ("full", ReuseConfig().method) + (("speccache",) if self.draft is not self.target else ()):
+                run(method, ReuseConfig().recompute_ratio)
+        self.load_stats.warmup_s = time.perf_counter() - t
+
+    def _gated(self, reuse: ReuseConfig) -> ReuseConfig:
+        """``reuse``, or full prefill if this model failed the correctness gate."""
+        return ReuseConfig(method="full") if self.load_stats.gate_failed and reuse.method != "full" else reuse
 
     def selector(self, method: str):
         """The blend that ``method`` names (``selection.SELECTORS``)."""

@@ -3,13 +3,15 @@ has reproduced full prefill on a short built-in prompt.
 
 A model whose implementation the runner gets subtly wrong (an unusual RoPE variant, a patched attention)
 would otherwise serve wrong reuse silently. The check runs the first time an engine meets a model
-fingerprint — in a private memory store, so the user's store gets no test chunks — and its result is
-remembered in the user's store (``put_meta``), so replicas and later processes skip it. If any method
-fails, the engine warns and serves full prefill only.
+fingerprint — when the engine is built (the vLLM worker: at start-up), never inside a request, in a private
+memory store so the user's store gets no test chunks — and its result is remembered in the user's store
+(``put_meta``), so replicas and later processes skip it. If any method fails, the engine warns and serves
+full prefill only.
 """
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 
@@ -37,40 +39,31 @@ def meta_name(fingerprint: str, backend: str = "torch") -> str:
 def verdict(store, blender, tokenizer, backend: str, model: str) -> list[str]:
     """The methods that failed the gate for ``blender``'s model on this engine type: remembered in
     ``store``, else checked now and remembered. A verdict that predates a method is checked again."""
-    name = meta_name(blender.fingerprint, backend)
-    known = store.get_meta(name)
+    known = remembered(store, blender.fingerprint, backend)
+    if known is None:
+        known = failing_methods(blender, tokenizer)
+        store.put_meta(meta_name(blender.fingerprint, backend),
+                       {"failed": known, "checked": list(CHECKED), "model": model, "backend": backend})
+    return known
+
+
+def remembered(store, fingerprint: str, backend: str) -> list[str] | None:
+    """The failed methods of a verdict ``store`` holds that covers every method today's code checks, else None."""
+    known = store.get_meta(meta_name(fingerprint, backend))
     if (known is None or not isinstance(known.get("failed"), list)
             or not set(CHECKED) <= set(known.get("checked", []))):
-        known = {"failed": failing_methods(blender, tokenizer), "checked": list(CHECKED), "model": model,
-                 "backend": backend}
-        store.put_meta(name, known)
+        return None
     return [str(m) for m in known["failed"]]
 
 
 def failing_methods(blender, tokenizer) -> list[str]:
     """The methods whose r = 1 first-token logits differ from full prefill's on the built-in prompt."""
-    from .kv import chunk_key
-    from .store import MemoryStore
-
-    probe = copy.copy(blender)                # the engine's blend pipeline, over a private store
-    probe.store = MemoryStore()
-    for text in CHUNKS:
-        ids, _ = tokenize_piece(tokenizer, text)
-        probe.store.put(probe.chunk_kv(ids, chunk_key(blender.fingerprint, ids), text))
-    prompt = RAGPrompt(chunks=list(CHUNKS), question=QUESTION)
-    tokens = render(prompt, tokenizer)
-
-    def run(method: str) -> tuple[torch.Tensor | None, KVCache]:
-        stats = GenerationStats(method=method, prompt_tokens=len(tokens))
-        reuse = ReuseConfig(method=method, recompute_ratio=1.0)
-        cache = KVCache.empty(probe.ops, len(tokens))
-        return probe.blend(tokens, cache, reuse, stats, prompt=prompt).logits, cache
-
-    full_logits, full_cache = run("full")
-    tol = LOGIT_TOL.get(probe.ops.dtype, LOGIT_TOL[torch.bfloat16])
+    run = probe(blender, tokenizer)
+    full_logits, full_cache = run("full", 1.0)
+    tol = LOGIT_TOL.get(blender.ops.dtype, LOGIT_TOL[torch.bfloat16])
     failed = []
     for method in CHECKED:
-        logits, cache = run(method)
+        logits, cache = run(method, 1.0)
         if full_logits is not None:
             ok = int(logits.argmax()) == int(full_logits.argmax()) and torch.allclose(logits, full_logits, **tol)
         else:   # an engine that samples the last token itself (vLLM): the prompt's whole KV must match
@@ -79,3 +72,25 @@ def failing_methods(blender, tokenizer) -> list[str]:
         if not ok:
             failed.append(method)
     return failed
+
+
+def probe(blender, tokenizer) -> Callable[[str, float], tuple[torch.Tensor | None, KVCache]]:
+    """``run(method, ratio)``: the built-in prompt blended by ``blender``'s pipeline over a private store that
+    holds its chunks (the gate's check, and the engine's warm-up)."""
+    from .kv import chunk_key
+    from .store import MemoryStore
+
+    private = copy.copy(blender)
+    private.store = MemoryStore()
+    for text in CHUNKS:
+        ids, _ = tokenize_piece(tokenizer, text)
+        private.store.put(private.chunk_kv(ids, chunk_key(blender.fingerprint, ids), text))
+    prompt = RAGPrompt(chunks=list(CHUNKS), question=QUESTION)
+    tokens = render(prompt, tokenizer)
+
+    def run(method: str, ratio: float) -> tuple[torch.Tensor | None, KVCache]:
+        stats = GenerationStats(method=method, prompt_tokens=len(tokens))
+        cache = KVCache.empty(private.ops, len(tokens))
+        reuse = ReuseConfig(method=method, recompute_ratio=ratio)
+        return private.blend(tokens, cache, reuse, stats, prompt=prompt).logits, cache
+    return run

@@ -69,6 +69,27 @@ class GenerationStats:
 
 
 @dataclass
+class LoadStats:
+    """One-time costs an engine pays when it is built, so that no request pays them (``engine.load_stats``)."""
+
+    model_load_s: float = 0.0       # target (and draft) weights, in from_pretrained
+    gate_s: float = 0.0             # the correctness gate (gate.py); ~0 when the store already knew the verdict
+    gate_methods: int = 0           # methods the verdict covers (0: gate off)
+    gate_failed: list[str] = field(default_factory=list)
+    gate_from_store: bool = False   # the verdict was read, not checked
+    warmup_s: float = 0.0           # first-call kernels and lazy imports, on a throw-away prompt (when no gate ran)
+
+    def gate_line(self) -> str:
+        if not self.gate_methods:
+            return "correctness gate: off"
+        verdict = (f"{self.gate_methods} methods ok" if not self.gate_failed else
+                   f"{', '.join(self.gate_failed)} failed of {self.gate_methods} methods; serving full prefill only")
+        if self.gate_from_store:
+            return f"correctness gate: {verdict} (verdict from the store)"
+        return f"correctness gate: {verdict} in {self.gate_s:.1f} s"
+
+
+@dataclass
 class GenerationOutput:
     text: str
     token_ids: list[int]

@@ -105,6 +105,19 @@ def test_load_documents_errors(tmp_path):
     assert chunk_documents([Document("x", "  \n\n ")]) == []
 
 
+def test_a_file_that_is_not_text_is_skipped_with_one_warning_unless_strict(tmp_path):
+    (tmp_path / "a.md").write_text("hello")
+    (tmp_path / "b.txt").write_bytes(b"\xff\xfe\x00binary\x9c")
+    (tmp_path / "c.md").write_text("world")
+    warned: list[str] = []
+    docs = load_documents([tmp_path], warn=warned.append)
+    assert [d.text for d in docs] == ["hello", "world"]
+    assert docs.skipped == [(str(tmp_path / "b.txt"), "not UTF-8 text")]
+    assert warned == [f"skipped {tmp_path / 'b.txt'}: not UTF-8 text"]
+    with pytest.raises(ValueError, match="b.txt is not UTF-8 text"):
+        load_documents([tmp_path], strict=True)
+
+
 # --------------------------------------------------------------------------------------------------
 # commands on the real model
 # --------------------------------------------------------------------------------------------------
@@ -169,7 +182,24 @@ def test_demo_end_to_end(filled_store, shared_model, capsys):
     assert len(re.findall(r"TTFT full/speccache = \d+\.\d+x; reused [1-9]\d*", out)) == n
     assert out.count("cache hits 3/3") == n
     assert len(re.findall(r"same answer as full: (yes|no)$", out, re.M)) == n
-    assert re.search(rf"Summary over {n} questions \(float32\).*identical to full: \d/{n}", out)
+    assert re.search(r"^correctness gate: \d+ methods ok", out, re.M)
+    assert re.search(rf"Summary over {n} questions \(float32\): TTFT full/speccache geometric mean \d+\.\d+x "
+                     rf"\(per question .*; \d/{n} faster than full\).*identical to full: \d/{n}", out)
+
+
+def test_precompute_skips_a_file_that_is_not_text_unless_strict(shared_model, tmp_path, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text(demo_documents()[0][1])
+    (docs / "c.md").write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    argv = ["precompute", str(docs), "--store", str(tmp_path / "kv")]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert err.count("warning: skipped") == 1 and f"{docs / 'c.md'}: not UTF-8 text" in err
+    assert re.search(r"chunks from 1 documents: \d+ new entries.*; skipped 1 unreadable file;", out), out
+    assert re.search(r"^correctness gate: \d+ methods ok in [\d.]+ s", err, re.M), err
+    assert cli.main([*argv, "--strict"]) == 2
+    assert "c.md is not UTF-8 text" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------------------------

@@ -361,6 +361,29 @@ def test_the_gate_passes_on_a_real_model_and_is_remembered_in_the_store(smollm2,
     assert replica.generate(RAGPrompt(chunks=CHUNKS, question=QUESTION), max_new_tokens=1).stats.method == "qattn"
 
 
+def test_the_first_reuse_request_pays_for_no_gate_and_no_warm_up(smollm2, tmp_path, monkeypatch):
+    """A new engine on a fresh store: the gate ran (and its verdict is stored) before any request, and the
+    first request's TTFT is that of the ones after it."""
+    from speccache_rag import gate
+
+    store = DiskStore(tmp_path / "kv")
+    engine = SpecCacheEngine(*smollm2, store=store)
+    ls = engine.load_stats
+    assert store.get_meta(gate.meta_name(engine.fingerprint, "torch"))["failed"] == []
+    assert ls.gate_methods == len(gate.CHECKED) and ls.gate_s > 0 and not ls.gate_from_store
+    assert f"{len(gate.CHECKED)} methods ok in" in ls.gate_line()
+    engine.precompute(CHUNKS)
+    monkeypatch.setattr(gate, "failing_methods", lambda *a: pytest.fail("a request ran the gate"))
+    prompt = RAGPrompt(chunks=CHUNKS, question=QUESTION)
+    ttft = [engine.generate(prompt, max_new_tokens=1).stats.ttft_s for _ in range(4)]
+    # The gate blends the probe prompt once per method (8 runs): billed to a request it costs it several
+    # times its own TTFT. The bound leaves room for a noisy shared machine.
+    assert ttft[0] < 2.5 * sorted(ttft[1:])[1] + 0.02, ttft
+    replica = SpecCacheEngine(*smollm2, store=DiskStore(tmp_path / "kv"))
+    assert replica.load_stats.gate_from_store and "verdict from the store" in replica.load_stats.gate_line()
+    assert replica.load_stats.warmup_s > 0                                   # no gate ran: warmed up instead
+
+
 def test_a_gate_verdict_that_predates_a_method_is_checked_again(smollm2, monkeypatch):
     from speccache_rag import gate
 
@@ -386,12 +409,13 @@ def test_a_method_that_fails_the_gate_makes_the_engine_serve_full_prefill_only(s
         return logits + 0.5 * torch.randn_like(logits), recomputed
 
     monkeypatch.setitem(SELECTORS, "epic", broken)
-    engine = SpecCacheEngine(*smollm2, store="memory://")
+    with pytest.warns(UserWarning, match="epic do not reproduce full prefill.*serving full prefill only"):
+        engine = SpecCacheEngine(*smollm2, store="memory://")                  # the gate runs at build time
+    assert engine.load_stats.gate_failed == ["epic"] and "epic failed" in engine.load_stats.gate_line()
     assert gate.failing_methods(engine.blender, engine.tokenizer) == ["epic"]
     prompt = RAGPrompt(chunks=CHUNKS, question=QUESTION)
     full = engine.generate(prompt, max_new_tokens=6, reuse=ReuseConfig(method="full"))
-    with pytest.warns(UserWarning, match="epic do not reproduce full prefill.*serving full prefill only"):
-        out = engine.generate(prompt, max_new_tokens=6, reuse=ReuseConfig(method="qattn"))
+    out = engine.generate(prompt, max_new_tokens=6, reuse=ReuseConfig(method="qattn"))
     assert out.stats.method == "full" and out.stats.reused_tokens == 0 and out.token_ids == full.token_ids
     assert engine.store.get_meta(gate.meta_name(engine.fingerprint, "torch"))["failed"] == ["epic"]
     assert SpecCacheEngine(*smollm2, store="memory://", gate=False).generate(

@@ -52,7 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from ..config import METHODS, ReuseConfig
+from ..config import DRAFT_METHODS, METHODS, ReuseConfig
 from ..hardware import dtype_name
 from ..prompt import RAGPrompt, sink_token_ids
 from . import PARAMS_KEY
@@ -421,6 +421,8 @@ class SpecCacheConnector(KVConnectorBase_V1):
                 logger.warning("SpecCache: methods %s do not reproduce full prefill at recompute_ratio=1 on the "
                                "built-in check with this model; every request is served by full prefill",
                                ", ".join(blender.gate_failed))
+            if self.options.method in DRAFT_METHODS and not blender.gate_failed:
+                blender.draft()    # at start-up, so that the first request does not pay for loading it
             self._blender = blender
             logger.info("SpecCache connector ready: store=%s draft=%s method=%s ratio=%s", self.store_url,
                         self.options.draft or "(target)", self.options.method, self.options.recompute_ratio)
