@@ -37,6 +37,7 @@ class ReuseConfig:
     qattn_pool: int = 1                 # qattn: max-pool window over positions (1 = none)
     qattn_heads: str = "mean"           # qattn: "mean" or "max" over heads
     qattn_sink: int = 0                 # qattn: the first k tokens of every chunk are chosen first
+    qattn_rounds: int = 1               # qattn: the budget in n parts, each re-scored over the repaired KV
     seed: int = 0                       # for "random"
 
     def __post_init__(self):
@@ -64,6 +65,8 @@ class ReuseConfig:
         if not 0.0 <= lo < hi <= 1.0:
             raise ValueError(f"qattn_layers must be (first, last) fractions with 0 <= first < last <= 1, "
                              f"got {self.qattn_layers!r}")
+        if self.qattn_rounds < 1:
+            raise ValueError(f"qattn_rounds must be >= 1, got {self.qattn_rounds}")
         if self.qattn_pool < 1 or self.qattn_sink < 0:
             raise ValueError(f"need qattn_pool >= 1 and qattn_sink >= 0, got {self.qattn_pool}, {self.qattn_sink}")
         if self.qattn_heads not in ("mean", "max"):

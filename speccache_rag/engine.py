@@ -26,11 +26,14 @@ class SpecCacheEngine(StreamingEngine):
     """Reuses per-chunk KV caches for RAG prompts and repairs them by recomputing chosen tokens.
 
     Build it with :meth:`from_pretrained`; call :meth:`precompute` at ingestion and
-    :meth:`generate` / :meth:`stream` at query time.
+    :meth:`generate` / :meth:`stream` at query time. Building runs the correctness gate (``gate``, verdict
+    kept in the store) or else a warm-up pass (``warm_up``), timed in ``load_stats``; an engine that only
+    precomputes may turn both off.
     """
 
     def __init__(self, target, tokenizer, store: KVStore | str = "memory://", draft=None, draft_tokenizer=None,
-                 sink: str = "bos", fill_misses: bool = True, name: str | None = None, gate: bool = True):
+                 sink: str = "bos", fill_misses: bool = True, name: str | None = None, gate: bool = True,
+                 warm_up: bool = True):
         if sink not in SINK_POLICIES:
             raise ValueError(f"sink must be one of {', '.join(SINK_POLICIES)}, got {sink!r}")
         self.target, self.tokenizer, self.ops = target, tokenizer, HFLayers(target)
@@ -51,7 +54,7 @@ class SpecCacheEngine(StreamingEngine):
         self.load_stats = LoadStats()
         if gate:
             self._check_gate()
-        if not gate or self.load_stats.gate_from_store:    # a gate that ran has warmed every path already
+        if warm_up and (not gate or self.load_stats.gate_from_store):  # a gate that ran warmed every path
             self._warm_up()
 
     @classmethod

@@ -47,7 +47,9 @@ class ChunkKVWorker:
     def __init__(self, target: str, store: str, dtype: str = "auto", threads: int = 1):
         from .engine import SpecCacheEngine
 
-        self.engine = SpecCacheEngine.from_pretrained(target, store=store, dtype=dtype, threads=threads)
+        # precompute only: no request is served here, so neither the gate nor a warm-up is needed
+        self.engine = SpecCacheEngine.from_pretrained(target, store=store, dtype=dtype, threads=threads,
+                                                      gate=False, warm_up=False)
 
     def __call__(self, batch: dict) -> dict:
         from .kv import chunk_key

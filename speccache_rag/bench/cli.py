@@ -57,6 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chunk-KV policy: bos (default), prefix (behind the shared template prefix) or none")
     p.add_argument("--targets", default=None, help="offload suite: comma-separated target models")
     p.add_argument("--contexts", default=None, help="offload suite: prompt lengths in tokens (default: 4096,8192)")
+    p.add_argument("--kv-store", default=None, metavar="STORE",
+                   help="keep the prompts' chunk KV here (a directory) and each prompt's full-prefill reference "
+                        "under OUT/refs, so a resumed run with new --methods pays for those methods only "
+                        "(default: memory, nothing kept)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -145,7 +149,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         path = run_suite(suite, out, resume=args.resume, fresh=args.fresh, progress=not args.no_progress,
                          loader=partial(load, dtype=dtypes[0]),
                          longbench=args.longbench, stages=tuple(_csv(args.stages)), shard=_shard(args.shard),
-                         command=getattr(args, "command", None))
+                         command=getattr(args, "command", None), kv_store=args.kv_store)
     print(f"report: {path}")
     return 0
 

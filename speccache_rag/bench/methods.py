@@ -13,6 +13,7 @@ an engine method; ``qattn2``, qattn in two rounds, was measured and removed: doc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ class MethodSpec:
     ratio: float | str | None   # nominal recompute ratio (None: full, reuse, epic-kK; "auto")
     epic_k: int | None = None
     auto_mass: float | None = None   # "FAMILY@auto:M": ReuseConfig.auto_mass (None: its default)
+    options: tuple[tuple[str, object], ...] = ()   # "+key=value" suffixes: ReuseConfig fields
 
     @property
     def uses_draft(self) -> bool:
@@ -53,11 +55,40 @@ class MethodSpec:
             return ReuseConfig(method="epic", epic_k=self.epic_k, recompute_ratio=1.0)
         engine_method = "norm" if self.family in EXPERIMENTS else self.family
         mass = {} if self.auto_mass is None else {"auto_mass": self.auto_mass}
-        return ReuseConfig(method=engine_method, recompute_ratio=self.ratio, **mass)
+        return ReuseConfig(method=engine_method, recompute_ratio=self.ratio, **mass, **dict(self.options))
+
+
+def _option(item: str) -> tuple[str, object]:
+    """``"sink=4"`` → ("qattn_sink", 4): a ReuseConfig field, ``qattn_`` implied where that names one; ranges
+    as ``0.25-1``."""
+    key, sep, raw = item.partition("=")
+    fields = {f.name: f for f in dataclasses.fields(ReuseConfig)}
+    key = key if key in fields else f"qattn_{key}"
+    if not sep or key not in fields or key in ("method", "recompute_ratio"):
+        raise ValueError(f"unknown method option {item!r}: use +FIELD=VALUE with a ReuseConfig field "
+                         f"({', '.join(k.removeprefix('qattn_') for k in fields if k not in ('method', 'recompute_ratio'))})")
+    default = fields[key].default
+    if default is None:                           # epic_k
+        return key, int(raw)
+    if isinstance(default, tuple):
+        return key, tuple(float(x) for x in raw.split("-"))
+    if isinstance(default, bool):
+        return key, raw.lower() in ("1", "true", "yes")
+    if isinstance(default, (int, float)) and not isinstance(default, bool):
+        return key, type(default)(float(raw)) if isinstance(default, int) else float(raw)
+    return key, raw
 
 
 def parse_method(name: str) -> MethodSpec:
-    """``"speccache@0.15"`` or ``"qattn@auto:0.9"`` → MethodSpec; raises ValueError with the accepted forms."""
+    """``"speccache@0.15"``, ``"qattn@auto:0.9"`` or ``"qattn@0.15+sink=4+layers=0-1"`` → MethodSpec; raises
+    ValueError with the accepted forms."""
+    base, *extra = name.split("+")
+    if extra:
+        spec = parse_method(base)
+        options = tuple(_option(e) for e in extra)
+        spec = dataclasses.replace(spec, name=name, options=options)
+        spec.reuse_config()                       # a bad value fails here, before any model loads
+        return spec
     if name in ("full", "reuse"):
         return MethodSpec(name, name, None)
     if name.startswith("epic-k"):
@@ -96,12 +127,12 @@ class BenchEngine(SpecCacheEngine):
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("gate", False)           # the bench measures each method as asked, and times it
-        super().__init__(*args, **kwargs)
-        self.variant: str | None = None            # "static" | None
+        self.variant: str | None = None            # "static" | None (set first: the engine warms up when built)
         self.fraction = ReuseConfig().draft_layers
         # keyed by (draft, chunk text): the pairs of one target keep their drafts' artifacts side by side
         self._static: dict[tuple[int, str], torch.Tensor] = {}
         self._memo: dict[tuple, dict[int, torch.Tensor]] | None = None
+        super().__init__(*args, **kwargs)
         self._draft_sink = sink_token_ids(self.draft_tokenizer, self.sink)
         self._layer_ops = {id(self.target): self.ops, id(self.draft): self.draft_ops}
 

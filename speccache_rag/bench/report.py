@@ -390,6 +390,19 @@ def _target_table(rows: list[dict], target: str, drafts: list[str], suite: dict)
     return lines + [""]
 
 
+def _prompt_lines(meta: dict, suite: dict, env: dict) -> list[str]:
+    answers = (f"greedy, {suite['max_new_tokens']} new tokens"
+               + (f", stopping at {' or '.join(repr(s) for s in suite['stop'])}" if suite.get("stop") else "")
+               + (f"; system message {suite['system']!r}" if suite.get("system") else ""))
+    if meta.get("longbench"):
+        chunks = f"the first {suite['passages']} passages" if suite.get("passages") else "every passage"
+        return [f"- prompts: LongBench file {meta['longbench']} — the first {suite['n_per_task']} rows, "
+                f"{chunks} of each as one chunk; {answers}"]
+    return [f"- prompts: synthetic — {suite['n_per_task']} per task × {', '.join(suite['tasks'])}; "
+            f"{suite['n_chunks']} chunks × ~{suite['chunk_tokens']} target tokens; {answers}",
+            f"- distractor prose: {PROSE_SOURCE} [{env['prose']}]"]
+
+
 def write_report(out: str | Path) -> Path:
     """Build ``OUT/report.md`` (and PNGs beside it) from ``OUT/results.jsonl``; returns the report path."""
     out = Path(out)
@@ -400,11 +413,7 @@ def write_report(out: str | Path) -> Path:
              *_command_lines(meta),
              f"- machine: {env['machine']}, {env['cpu_count']} CPUs ({env['processor']}), torch {env['torch']} "
              f"({env['torch_threads']} threads), transformers {env['transformers']}, Python {env['python']}",
-             f"- prompts: {'LongBench file ' + meta['longbench'] if meta.get('longbench') else 'synthetic'} — "
-             f"{suite['n_per_task']} per task × {', '.join(suite['tasks'])}; {suite['n_chunks']} chunks × "
-             f"~{suite['chunk_tokens']} target tokens; greedy, {suite['max_new_tokens']} new tokens"
-             + (f", stopping at {' or '.join(repr(s) for s in suite['stop'])}" if suite.get("stop") else ""),
-             f"- distractor prose: {PROSE_SOURCE} [{env['prose']}]",
+             *_prompt_lines(meta, suite, env),
              f"- TTFT: interleaved, {suite['ttft_warmup']} warm-up round + median of {suite['ttft_reps']} rounds per "
              f"prompt, ratio to full on the same prompt in the same process, geometric mean over prompts"
              + (f"; timed prompts: {suite['ttft_n_chunks']} chunks × ~{suite['ttft_chunk_tokens']} tokens"

@@ -8,10 +8,12 @@ target's drafts on each prompt, against one full-prefill reference and in the sa
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import os
 import platform
+import re
 import shlex
 import sys
 import time
@@ -121,22 +123,52 @@ def _timed_runs(suite: Suite, target: str, drafts: list[str], ex: Example) -> li
     return runs
 
 
+def _safe(name: str) -> str:
+    return re.sub(r"[^\w.-]+", "_", name)
+
+
+def _reference(engine: BenchEngine, suite: Suite, target: str, ex: Example, prompt: RAGPrompt,
+               refs: Path | None) -> tuple:
+    """Full prefill's greedy output on ``prompt`` and its wall time: computed, or read from ``refs`` (one
+    safetensors file per target and prompt: first-token logits, tokens; text and stats in its metadata)."""
+    from safetensors.torch import load_file, save_file
+
+    from ..output import GenerationOutput, GenerationStats
+
+    path = refs / _safe(target) / (_safe(ex.id) + ".safetensors") if refs else None
+    if path is not None and path.exists():
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+        t = load_file(str(path))
+        stats = GenerationStats.from_dict(json.loads(meta["stats"]))
+        return (GenerationOutput(meta["text"], t["token_ids"].tolist(), stats, meta["finish"], t["first_logits"]),
+                float(meta["wall_s"]))
+    t0 = time.perf_counter()
+    ref = engine.run(parse_method("full"), prompt, suite.max_new_tokens, first_logits=True, stop=suite.stop)
+    wall = time.perf_counter() - t0
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({"first_logits": ref.first_logits.contiguous(), "token_ids": torch.tensor(ref.token_ids)},
+                  str(path), metadata={"text": ref.text, "finish": ref.finish_reason, "wall_s": str(wall),
+                                       "stats": json.dumps(ref.stats.to_dict())})
+    return ref, wall
+
+
 def quality_example(engine: BenchEngine, suite: Suite, target: str, drafts: list[tuple], ex: Example,
-                    methods: list[str], writer: _Writer) -> None:
+                    methods: list[str], writer: _Writer, refs: Path | None = None) -> None:
     """Every method on one prompt, for each ``(name, model, tokenizer)`` draft of ``target``. One chunk
     precompute and one full-prefill reference serve every draft; draft-independent methods run once."""
     plans = [(draft, dmodel, dtok, *_quality_todo(suite, (target, draft), ex, methods, writer.done))
              for draft, dmodel, dtok in drafts]
     if not any(todo or want_agree for *_, todo, want_agree in plans):
         return
-    prompt = RAGPrompt(chunks=ex.chunks, question=ex.question)
+    prompt = _prompt(suite, ex)
     tokens = render(prompt, engine.tokenizer)
     engine.precompute(ex.chunks)
-    full_spec = parse_method("full")
     with engine.memoized():
-        t = time.perf_counter()
-        ref = engine.run(full_spec, prompt, suite.max_new_tokens, first_logits=True, stop=suite.stop)
-        ref_wall = time.perf_counter() - t
+        ref, ref_wall = _reference(engine, suite, target, ex, prompt, refs)
         for draft, dmodel, dtok, todo, want_agree in plans:
             engine.use_draft(dmodel, dtok)
             # a draft-independent row may have been written for an earlier draft of this prompt
@@ -182,7 +214,7 @@ def timing_example(engine: BenchEngine, suite: Suite, target: str, drafts: list[
     draft_models = {d: (dmodel, dtok) for d, dmodel, dtok in drafts}
     if all(key in writer.done for key, *_ in runs):
         return
-    prompt = RAGPrompt(chunks=ex.chunks, question=ex.question)
+    prompt = _prompt(suite, ex)
     tokens = render(prompt, engine.tokenizer)
     engine.precompute(ex.chunks)
     fams = {spec.family for _, spec, _ in runs}
@@ -214,10 +246,17 @@ def timing_example(engine: BenchEngine, suite: Suite, target: str, drafts: list[
     engine.forget_draft()
 
 
+def _prompt(suite: Suite, ex: Example) -> RAGPrompt:
+    system = {} if suite.system is None else {"system": suite.system}
+    return RAGPrompt(chunks=ex.chunks, question=ex.question, **system)
+
+
 def _examples(suite: Suite, tokenizer, longbench: str | None, ttft: bool = False) -> list[Example]:
     count = tokenizer_counter(tokenizer)
     if longbench:
         exs = load_longbench(longbench, chunk_tokens=suite.chunk_tokens, count=count)
+        if suite.passages:
+            exs = [dataclasses.replace(ex, chunks=ex.chunks[: suite.passages]) for ex in exs]
         return exs[: suite.ttft_examples] if ttft else exs[: suite.num_examples]
     if ttft and suite.ttft_n_chunks:
         n = -(-suite.ttft_examples // len(suite.tasks))
@@ -232,7 +271,7 @@ STAGES = ("quality", "ttft")
 # What makes prompt i, its answers and its timings what they are: a resumed run must not change these,
 # or its rows would sit beside rows of other prompts under the same example id.
 SAME_ON_RESUME = ("n_chunks", "chunk_tokens", "seed", "max_new_tokens", "stop", "ttft_n_chunks", "ttft_chunk_tokens",
-                  "ttft_reps", "ttft_warmup", "sink")
+                  "ttft_reps", "ttft_warmup", "sink", "system", "passages")
 _BEFORE_DEFAULTS = {"sink": "bos"}          # results written before the field existed
 
 
@@ -247,18 +286,25 @@ def _check_same_prompts(before: dict, now: dict, longbench_before: str | None, l
 
 def run_suite(suite: Suite, out: str | Path, resume: bool = False, fresh: bool = False, progress: bool = True,
               longbench: str | None = None, loader: Callable | None = None, report: bool = True,
-              stages: tuple[str, ...] = STAGES, shard: tuple[int, int] = (0, 1), command: str | None = None) -> Path:
+              stages: tuple[str, ...] = STAGES, shard: tuple[int, int] = (0, 1), command: str | None = None,
+              kv_store: str | None = None) -> Path:
     """Run (or resume) ``suite`` into ``out``; returns the report's path (or the results' if report=False).
 
     ``stages``: "quality" (scores, fidelity, agreement) and/or "ttft" (interleaved timings).
     ``shard=(k, n)``: only prompts whose index is k mod n (run n processes on one ``out`` to split a suite).
-    ``command``: how this run was invoked, for suite.json (default: this process's argv)."""
+    ``command``: how this run was invoked, for suite.json (default: this process's argv).
+    ``kv_store``: a store that keeps the chunk KV between runs (then full-prefill references are kept in
+    ``out/refs``), so resuming with new methods costs those methods only."""
     k_shard, n_shard = shard
     if not 0 <= k_shard < n_shard:
         raise ValueError(f"shard must be K/N with 0 <= K < N, got {k_shard}/{n_shard}")
     from tqdm.auto import tqdm
 
     suite.validate()
+    longbench = longbench or suite.longbench
+    if longbench and not Path(longbench).is_file():
+        raise FileNotFoundError(f"no LongBench file at {longbench} (suite {suite.name}: set $SPECCACHE_MUSIQUE or "
+                                f"pass --longbench FILE)")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     results = out / RESULTS
@@ -300,10 +346,11 @@ def run_suite(suite: Suite, out: str | Path, resume: bool = False, fresh: bool =
                 continue                                                  # resumed: nothing left for this target
             tmodel, ttok = models.get(target)
             drafts = [(d, *models.get(d)) for d in draft_names]
-            engine = BenchEngine(tmodel, ttok, store="memory://", name=target, sink=suite.sink)
+            engine = BenchEngine(tmodel, ttok, store=kv_store or "memory://", name=target, sink=suite.sink)
+            refs = out / "refs" if kv_store else None
             for ex, methods in tqdm(plan, desc=f"quality {target} ← {', '.join(draft_names)}", unit="prompt",
                                     disable=not progress):
-                quality_example(engine, suite, target, drafts, ex, methods, writer)
+                quality_example(engine, suite, target, drafts, ex, methods, writer, refs)
             for ex in tqdm(timed, desc=f"ttft {target} ← {', '.join(draft_names)}", unit="prompt",
                            disable=not progress):
                 timing_example(engine, suite, target, drafts, ex, writer)

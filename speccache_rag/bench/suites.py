@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from .data import TASKS
@@ -46,6 +47,9 @@ class Suite:
     agreement: bool = True
     tasks: tuple[str, ...] = TASKS
     sink: str = "bos"                            # chunk-KV policy (``SpecCacheEngine(sink=...)``)
+    system: str | None = None                    # the prompt's system message (None: RAGPrompt's default)
+    longbench: str | None = None                 # a LongBench JSONL file this suite reads (--longbench overrides)
+    passages: int | None = None                  # LongBench: the first N passages of each row (None: all)
 
     def validate(self) -> "Suite":
         from .methods import parse_method
@@ -67,6 +71,10 @@ class Suite:
         return self.n_per_task * len(self.tasks)
 
 
+# Real multi-hop RAG (issue 24): MuSiQue's dev rows with their retrieved Wikipedia passages, each passage one
+# chunk. Third-party text: read from the shared data folder, never committed ($SPECCACHE_MUSIQUE overrides).
+MUSIQUE = os.environ.get("SPECCACHE_MUSIQUE", os.path.join("..", "shared", "data", "musique_dev.jsonl"))
+SHORT_ANSWER = "Answer the question using the context, in at most five words."
 SMOL = "smollm2-135m"
 QWEN05 = "qwen2.5-coder-0.5b"
 QWEN15 = "qwen2.5-coder-1.5b"
@@ -119,6 +127,22 @@ SUITES: dict[str, Suite] = {
         ttft_methods=["full", "epic-k16", "cacheblend@0.15", "qattn@0.15", "speccache@0.15", "norm@0.15",
                       "deviation@0.15"],
         ttft_examples=1, max_new_tokens=24, stop=("\n",), agreement=False),
+    "musique": Suite(
+        name="musique",
+        description="Real multi-hop RAG (issue 24): MuSiQue dev questions (../shared/data/musique_dev.jsonl, "
+                    "$SPECCACHE_MUSIQUE; never committed) with their first 6 retrieved passages, each passage one "
+                    "chunk (~3.6 k Qwen tokens), answers in at most five words, greedy, 12 new tokens stopping at "
+                    "a newline. Fidelity to full prefill is the measure (these targets answer MuSiQue poorly): "
+                    "first-token KL gap closed, top-1, the same greedy answer. Sized by measurement: on 2 cores "
+                    "in float32 the 0.5B target costs ~65 s a question for the chunk precompute and the full "
+                    "reference, ~7 s per method at r = 0.15 (the 1.5B ~3x that), so --per-task sets how many "
+                    "questions (default 24: ~50 min for these methods on the 0.5B); --pairs picks the target.",
+        pairs=[(QWEN05, SMOL)], n_per_task=24, tasks=("musique",), longbench=MUSIQUE, passages=6,
+        system=SHORT_ANSWER,
+        methods=["full", "reuse", "epic@0.15", "cacheblend@0.15", "qattn@0.15", "qattn@0.15+sink=4",
+                 "qattn@0.15+layers=0-1", "qattn@0.15+pool=5", "qattn@0.15+rounds=2", "qattn@auto"],
+        ttft_methods=["full", "epic@0.15", "cacheblend@0.15", "qattn@0.15", "qattn@0.15+rounds=2"],
+        ttft_examples=1, ttft_reps=2, max_new_tokens=12, stop=("\n",), agreement=False),
 }
 
 

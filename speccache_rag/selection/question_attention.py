@@ -72,16 +72,25 @@ def question_probe(ops, sel: Selection, recomputed: torch.Tensor) -> QuestionAtt
                              len(sel.tokens), sel.config.qattn_heads)
 
 
-def second_pass(probe: QuestionAttention, sel: Selection, recomputed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """After the first pass → (chosen positions, positions to recompute again). Recomputed tokens before the
-    first chosen one read nothing stale: their first pass is final."""
+def second_pass(probe: QuestionAttention, sel: Selection, recomputed: torch.Tensor,
+                taken: torch.Tensor | None = None, share: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """After a pass over ``recomputed`` → (chosen positions, positions to recompute again): ``share`` of the
+    budget, among candidates not ``taken`` by an earlier round. Recomputed (or taken) tokens before the first
+    chosen one read nothing stale: their pass is final; those after it are recomputed again."""
     cfg, candidates = sel.config, sel.reusable_positions
     budget = sel.budget
     if cfg.recompute_ratio == "auto":      # sized by the attention mass; the forced chunk sinks come on top
         reused = sel.reused_chunks()
         sinks = sum(min(cfg.qattn_sink, s.end - s.start) for s in sel.tokens.chunk_segments() if s.chunk in reused)
         budget = min(budget, adaptive_budget(pool(probe.scores, cfg.qattn_pool)[candidates], cfg) + sinks)
-    chosen = top_positions(qattn_scores(probe, sel), candidates, budget)
+    if taken is not None and taken.numel():
+        candidates = candidates[~torch.isin(candidates, taken)]
+        budget -= taken.numel()
+    chosen = top_positions(qattn_scores(probe, sel), candidates, round(budget * share))
+    if chosen.numel() == 0:
+        return chosen, chosen
+    if taken is not None:                  # an earlier round's tokens after this round's first read stale KV
+        recomputed = torch.cat([recomputed, taken])
     return chosen, torch.cat([chosen, recomputed[recomputed > chosen[0]]]).unique()
 
 
@@ -101,12 +110,25 @@ def question_rows(sel: Selection, always: torch.Tensor) -> torch.Tensor:
 @blend_selector("qattn")
 @torch.inference_mode()
 def qattn_prefill(ops, cache: KVCache, sel: Selection, always: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blend ``cache`` (reused chunks loaded) in place → (last-token logits, positions recomputed at least once)."""
+    """Blend ``cache`` (reused chunks loaded) in place → (last-token logits, positions recomputed at least once).
+
+    With ``qattn_rounds`` = n > 1 the budget is spent in n equal parts, each chosen by the question's
+    attention over the KV the earlier parts repaired (CacheBlend's gradual filtering, by attention)."""
     ids = sel.tokens.ids
     if sel.budget == 0:
         return prefill(ops, cache, ids[always], always), always
+    rounds = sel.config.qattn_rounds
     probe = question_probe(ops, sel, always)
-    prefill(ops, cache, ids[always], always, observe=probe)
-    chosen, again = second_pass(probe, sel, always)
-    logits = prefill(ops, cache, ids[again], again)
-    return logits, torch.cat([chosen, always]).unique()
+    logits = prefill(ops, cache, ids[always], always, observe=probe)
+    taken = always[:0]
+    for r in range(rounds):
+        chosen, again = second_pass(probe, sel, always, taken, share=1 / (rounds - r))
+        if chosen.numel() == 0:
+            break
+        taken = torch.cat([taken, chosen])
+        last = r == rounds - 1
+        probe = None if last else question_probe(ops, sel, again)
+        logits = prefill(ops, cache, ids[again], again, observe=probe)
+        if last:
+            break
+    return logits, torch.cat([taken, always]).unique()
