@@ -91,7 +91,11 @@ def test_method_names():
     auto = parse_method("qattn@auto:0.9").reuse_config()
     assert (auto.recompute_ratio, auto.auto_mass) == ("auto", 0.9)
     assert parse_method("qattn@auto").reuse_config().auto_mass == ReuseConfig().auto_mass
-    for bad in ("nope", "speccache@2", "epic-kx", "speccache", "qattn@auto:0", "qattn@auto:x", "norm@auto:0.5"):
+    opts = parse_method("qattn@0.15+sink=32+rounds=2+layers=0.25-1+heads=max").reuse_config()
+    assert (opts.qattn_sink, opts.qattn_rounds, opts.qattn_layers, opts.qattn_heads) == (32, 2, (0.25, 1.0), "max")
+    assert parse_method("qattn@auto+auto_range=0.05-0.15").reuse_config().auto_range == (0.05, 0.15)
+    for bad in ("nope", "speccache@2", "epic-kx", "speccache", "qattn@auto:0", "qattn@auto:x", "norm@auto:0.5",
+                "qattn@0.15+bogus=1", "qattn@0.15+rounds=0", "qattn@0.15+sink"):
         with pytest.raises(ValueError):
             parse_method(bad)
 
@@ -210,6 +214,45 @@ def test_bench_quick_cli_writes_a_well_formed_report(tmp_path):
     assert len((out / "results.jsonl").read_text().splitlines()) == len(rows)
     # an existing results file is not overwritten by accident
     assert main(["bench", "--suite", "quick", "--out", str(out), "--no-progress"] + argv[5:]) == 2
+
+
+def test_bench_musique_suite_reads_passages_and_a_resume_pays_only_for_new_methods(tmp_path, monkeypatch):
+    """The real-data suite on a stand-in LongBench file: the first N passages each one chunk, the suite's
+    system message; with --kv-store a resumed run reads the full-prefill references instead of recomputing."""
+    from speccache_rag.bench import suite_run
+    from speccache_rag.cli import main
+
+    rows = [{"input": f"Who founded company {c}?", "answers": [f"Person {c}"], "_id": f"q{c}", "dataset": "musique",
+             "context": "\n\n".join(f"Passage {i}:\nCompany {c}{i} was founded by person {c}{i} in 19{i}0."
+                                     for i in range(1, 5))} for c in "AB"]
+    data = tmp_path / "musique_dev.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out, kv = tmp_path / "musique", tmp_path / "kv"
+    argv = ["bench", "--suite", "musique", "--out", str(out), "--pairs", "smollm2-135m:smollm2-135m",
+            "--longbench", str(data), "--per-task", "2", "--max-new-tokens", "3", "--stages", "quality",
+            "--threads", "1", "--no-progress", "--kv-store", str(kv), "--methods", "full,reuse,qattn@0.15"]
+    assert main(argv) == 0
+    quality = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted({r["example"] for r in quality}) == ["qA", "qB"] and len(quality) == 2 * 3
+    assert all(r["stats"]["cache_hits"] == 4 for r in quality if r["method"] == "reuse")     # a chunk a passage
+    assert len(list((out / "refs").rglob("*.safetensors"))) == 2
+    first = {r["example"]: r for r in quality if r["method"] == "qattn@0.15"}
+
+    def no_full(*a, **k):
+        raise AssertionError("a resumed run recomputed a stored full-prefill reference")
+
+    real_run = suite_run.BenchEngine.run
+    monkeypatch.setattr(suite_run.BenchEngine, "run",
+                        lambda self, spec, *a, **k: no_full() if spec.family == "full" else real_run(self, spec, *a, **k))
+    argv[-1] = "full,reuse,qattn@0.15,qattn@0.15+rounds=2"
+    assert main([*argv, "--resume"]) == 0
+    again = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert len(again) == 2 * 4
+    two = {r["example"]: r for r in again if r["method"] == "qattn@0.15+rounds=2"}
+    assert all(0.0 <= two[e]["kl"] and two[e]["recompute_frac"] <= 0.2 for e in two)
+    assert {e: r["kl"] for e, r in first.items()} == {r["example"]: r["kl"] for r in again if r["method"] == "qattn@0.15"}
+    md = (out / "report.md").read_text()
+    assert "the first 2 rows, the first 6 passages of each as one chunk" in md and "five words" in md
 
 
 def test_bench_ttft_suite_times_every_method_in_both_dtypes(tmp_path):

@@ -98,6 +98,17 @@ def test_every_method_at_ratio_one_equals_full_prefill(engine, full_out, method)
     assert out.stats.dtype == engine.dtype
 
 
+@pytest.mark.parametrize("options", [dict(qattn_rounds=2), dict(qattn_rounds=3, qattn_sink=4, qattn_pool=3)])
+def test_multi_round_qattn_at_ratio_one_equals_full_prefill(engine, full_out, options):
+    """Each round re-recomputes the earlier rounds' tokens that read what it repairs: exact at r = 1."""
+    prompt = RAGPrompt(chunks=CHUNKS, question=QUESTION)
+    out = engine.generate(prompt, max_new_tokens=12, reuse=ReuseConfig(method="qattn", recompute_ratio=1.0, **options),
+                          return_first_logits=True)
+    torch.testing.assert_close(out.first_logits, full_out.first_logits,
+                               **LOGIT_TOL[next(engine.target.parameters()).dtype])
+    assert out.token_ids == full_out.token_ids
+
+
 def test_reuse_without_recompute_measurably_differs(engine, full_out):
     prompt = RAGPrompt(chunks=CHUNKS, question=QUESTION)
     out = engine.generate(prompt, max_new_tokens=12, reuse=ReuseConfig(method="reuse"), return_first_logits=True)
