@@ -174,15 +174,15 @@ def test_ask_with_offloaded_decoding(filled_store, shared_model, capsys):
 def test_demo_end_to_end(filled_store, shared_model, capsys):
     assert cli.main(["demo", "--store", str(filled_store[0]), "--max-new-tokens", "8", "--target", "smollm2-135m",
                      "--draft", "smollm2-135m", "--method", "speccache"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     n = len(demo_questions())
+    assert re.search(r"^correctness gate: \d+ methods ok", err, re.M)       # its own line, at load time
     assert "0 new KV entries" in out                                    # the shared store was already full
     assert len(re.findall(r"^\s+full\s+TTFT", out, re.M)) == n
     assert len(re.findall(r"^\s+speccache\s+TTFT", out, re.M)) == n
     assert len(re.findall(r"TTFT full/speccache = \d+\.\d+x; reused [1-9]\d*", out)) == n
     assert out.count("cache hits 3/3") == n
     assert len(re.findall(r"same answer as full: (yes|no)$", out, re.M)) == n
-    assert re.search(r"^correctness gate: \d+ methods ok", out, re.M)
     assert re.search(rf"Summary over {n} questions \(float32\): TTFT full/speccache geometric mean \d+\.\d+x "
                      rf"\(per question .*; \d/{n} faster than full\).*identical to full: \d/{n}", out)
 
