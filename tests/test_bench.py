@@ -347,3 +347,23 @@ def test_a_suite_method_on_few_prompts_gets_its_own_table_not_a_smaller_headline
     suite = ["full", "reuse", "qattn@0.15", "speccache@0.15", "deviation@0.15"]
     # speccache has half of full's prompts (a run stopped midway): still headline; a sweep method is not listed
     assert _methods(suite, rows) == (["full", "reuse", "qattn@0.15", "speccache@0.15"], ["deviation@0.15"])
+
+
+def test_divergence_analysis_locates_stale_kv(smollm2):
+    """Layer 0's K/V of a reused chunk depend on its tokens alone (exact); deeper layers differ, and a method
+    that recomputes every token leaves nothing stale."""
+    from speccache_rag import RAGPrompt
+    from speccache_rag.bench.divergence import analyse, report
+    from speccache_rag.bench.methods import BenchEngine
+
+    engine = BenchEngine(*smollm2, store="memory://")
+    chunks = ["Company Alba was founded by Ivo Renn in 1950 in the port town of Sella.",
+              "Ivo Renn was born in Kestrel, a village north of Sella, and studied law there."]
+    row = analyse(engine, RAGPrompt(chunks=chunks, question="Where was the founder of Alba born?"),
+                  ["qattn@0.5", "qattn@1.0"])
+    reuse = row["reuse"]
+    assert reuse["layer_v"][0] < 1e-4 < reuse["layer_v"][-1] and reuse["picked"] == 0
+    assert row["qattn@0.5"]["picked"] > 0 and row["qattn@0.5"]["v_stale"] > 0
+    assert row["qattn@1.0"]["picked"] == row["chunk_tokens"] and max(row["qattn@1.0"]["layer_v"]) < 1e-3
+    md = report([row], ["qattn@0.5", "qattn@1.0"], "smollm2")
+    assert "| qattn@0.5 |" in md and "by chunk index" in md
