@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "MIN_CHUNK_TOKENS", "DOC_SUFFIXES", "Chunk", "Document", "Documents", "approx_tokens",
-           "chunk_text", "chunk_documents", "load_documents", "rank_chunks", "token_counter"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "MIN_CHUNK_TOKENS", "DOC_SUFFIXES", "Chunk", "Document", "Documents",
+           "approx_tokens", "chunk_text", "chunk_documents", "load_documents", "rank_chunks", "token_counter"]
 
 DEFAULT_CHUNK_TOKENS = 256
 MIN_CHUNK_TOKENS = 16
@@ -140,7 +140,8 @@ def load_documents(paths: Iterable[str | os.PathLike], strict: bool = False,
     """The documents at ``paths``: files as given, directories searched (recursively, sorted) for
     ``.txt`` and ``.md`` files, hidden files and folders skipped. Files are read as UTF-8; one that cannot
     be read as text is skipped with one warning (``warn``, default: logged), as LlamaIndex's directory
-    reader does, or with ``strict`` stops the load with ``ValueError``. A missing path always raises ``FileNotFoundError``."""
+    reader does, or with ``strict`` stops the load with ``ValueError``. A missing path always raises
+    ``FileNotFoundError``."""
     files: list[Path] = []
     for raw in paths:
         path = Path(raw).expanduser()
@@ -167,7 +168,8 @@ def load_documents(paths: Iterable[str | os.PathLike], strict: bool = False,
         except (UnicodeDecodeError, OSError) as e:
             why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else (e.strerror or type(e).__name__)
             if strict:
-                raise ValueError(f"{f} is {why}" if why == "not UTF-8 text" else f"cannot read {f}: {why}") from None
+                raise ValueError(f"{f} is {why}" if isinstance(e, UnicodeDecodeError) else f"cannot read {f}: {why}"
+                                 ) from None
             (warn or logger.warning)(f"skipped {f}: {why}")
             docs.skipped.append((str(f), why))
     return docs

@@ -65,17 +65,17 @@ def _option(item: str) -> tuple[str, object]:
     fields = {f.name: f for f in dataclasses.fields(ReuseConfig)}
     key = key if key in fields else f"qattn_{key}"
     if not sep or key not in fields or key in ("method", "recompute_ratio"):
-        raise ValueError(f"unknown method option {item!r}: use +FIELD=VALUE with a ReuseConfig field "
-                         f"({', '.join(k.removeprefix('qattn_') for k in fields if k not in ('method', 'recompute_ratio'))})")
+        names = ", ".join(k.removeprefix("qattn_") for k in fields if k not in ("method", "recompute_ratio"))
+        raise ValueError(f"unknown method option {item!r}: use +FIELD=VALUE with a ReuseConfig field ({names})")
     default = fields[key].default
     if default is None:                           # epic_k
         return key, int(raw)
     if isinstance(default, tuple):
         return key, tuple(float(x) for x in raw.split("-"))
-    if isinstance(default, bool):
-        return key, raw.lower() in ("1", "true", "yes")
-    if isinstance(default, (int, float)) and not isinstance(default, bool):
-        return key, type(default)(float(raw)) if isinstance(default, int) else float(raw)
+    if isinstance(default, int):
+        return key, int(raw)
+    if isinstance(default, float):
+        return key, float(raw)
     return key, raw
 
 

@@ -131,17 +131,17 @@ SUITES: dict[str, Suite] = {
         name="musique",
         description="Real multi-hop RAG (issue 24): MuSiQue dev questions (../shared/data/musique_dev.jsonl, "
                     "$SPECCACHE_MUSIQUE; never committed) with their first 6 retrieved passages, each passage one "
-                    "chunk (~3.6 k Qwen tokens), answers in at most five words, greedy, 12 new tokens stopping at "
+                    "chunk (~3.55 k Qwen tokens), answers in at most five words, greedy, 12 new tokens stopping at "
                     "a newline. Fidelity to full prefill is the measure (these targets answer MuSiQue poorly): "
                     "first-token KL gap closed, top-1, the same greedy answer. Sized by measurement: on 2 cores "
                     "in float32 the 0.5B target costs ~65 s a question for the chunk precompute and the full "
-                    "reference, ~7 s per method at r = 0.15 (the 1.5B ~3x that), so --per-task sets how many "
-                    "questions (default 24: ~50 min for these methods on the 0.5B); --pairs picks the target.",
-        pairs=[(QWEN05, SMOL)], n_per_task=24, tasks=("musique",), longbench=MUSIQUE, passages=6,
+                    "reference and ~7-11 s per method (the 1.5B ~3x that): ~25 min for 12 questions and these "
+                    "methods on the 0.5B. --kv-store keeps chunk KV and references, so a resumed run with more "
+                    "--methods (e.g. qattn@0.15+sink=32) pays for those only; --pairs picks the target.",
+        pairs=[(QWEN05, SMOL)], n_per_task=12, tasks=("musique",), longbench=MUSIQUE, passages=6,
         system=SHORT_ANSWER,
-        methods=["full", "reuse", "epic@0.15", "cacheblend@0.15", "qattn@0.15", "qattn@0.15+sink=4",
-                 "qattn@0.15+layers=0-1", "qattn@0.15+pool=5", "qattn@0.15+rounds=2", "qattn@auto"],
-        ttft_methods=["full", "epic@0.15", "cacheblend@0.15", "qattn@0.15", "qattn@0.15+rounds=2"],
+        methods=["full", "reuse", "epic@0.15", "cacheblend@0.15", "qattn@0.15", "qattn@0.25"],
+        ttft_methods=["full", "epic@0.15", "cacheblend@0.15", "qattn@0.15", "qattn@0.25"],
         ttft_examples=1, ttft_reps=2, max_new_tokens=12, stop=("\n",), agreement=False),
 }
 
