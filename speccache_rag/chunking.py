@@ -132,7 +132,9 @@ def chunk_text(text: str, max_tokens: int = DEFAULT_CHUNK_TOKENS, count: TokenCo
 class Documents(list):
     """``load_documents``' result: the documents read, and ``skipped``: (path, why) of each file passed over."""
 
-    skipped: list[tuple[str, str]]
+    def __init__(self) -> None:
+        super().__init__()
+        self.skipped: list[tuple[str, str]] = []
 
 
 def load_documents(paths: Iterable[str | os.PathLike], strict: bool = False,
@@ -157,7 +159,6 @@ def load_documents(paths: Iterable[str | os.PathLike], strict: bool = False,
         else:
             raise FileNotFoundError(f"no such file or directory: {raw}")
     docs = Documents()
-    docs.skipped = []
     seen: set[Path] = set()
     for f in files:
         if f.resolve() in seen:

@@ -6,7 +6,6 @@ stderr and exit with status 2; set ``SPECCACHE_DEBUG=1`` to get the traceback in
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shlex
 import sys
@@ -276,6 +275,7 @@ def _fingerprint(model: str, dtype: str, sink: str) -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from .bench.metrics import geomean, median
     from .data import demo_dir, demo_questions
     from .prompt import RAGPrompt
 
@@ -313,7 +313,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                         out = engine.generate(prompt, max_new_tokens=args.max_new_tokens, reuse=cfg)
                         outs.setdefault(label, out)
                         ttft.setdefault(label, []).append(out.stats.ttft_s)
-                ttft = {label: sorted(v)[len(v) // 2] for label, v in ttft.items()}
+                ttft = {label: median(v) for label, v in ttft.items()}
                 for label, _ in runs:
                     out = outs[label]
                     ok = _matches(out.text, [q["answer"], *q.get("aliases", [])])
@@ -328,7 +328,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                       f"{s.cache_hits}/{s.cache_hits + s.cache_misses}; same answer as full: "
                       f"{'yes' if identical else 'no'}")
             k = len(questions)
-            geo = math.exp(sum(math.log(r) for r in ratios) / k)
+            geo = geomean(ratios)
             print(f"\nSummary over {k} questions ({engine.dtype}): TTFT full/{name} geometric mean {geo:.2f}x "
                   f"(per question {min(ratios):.2f}x to {max(ratios):.2f}x; {sum(r > 1 for r in ratios)}/{k} faster "
                   f"than full); answers containing the expected text: full {right['full']}/{k}, {name} "

@@ -203,7 +203,7 @@ class SpecCacheEngine(StreamingEngine):
         failed = gate.remembered(self.store, self.fingerprint, "torch")
         from_store = failed is not None
         if failed is None:
-            failed = gate.verdict(self.store, self.blender, self.tokenizer, "torch", self.name)
+            failed = gate.check(self.store, self.blender, self.tokenizer, "torch", self.name)
         self.load_stats.gate_s = time.perf_counter() - t
         self.load_stats.gate_methods, self.load_stats.gate_failed = len(gate.CHECKED), failed
         self.load_stats.gate_from_store = from_store

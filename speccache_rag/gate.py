@@ -40,11 +40,15 @@ def verdict(store, blender, tokenizer, backend: str, model: str) -> list[str]:
     """The methods that failed the gate for ``blender``'s model on this engine type: remembered in
     ``store``, else checked now and remembered. A verdict that predates a method is checked again."""
     known = remembered(store, blender.fingerprint, backend)
-    if known is None:
-        known = failing_methods(blender, tokenizer)
-        store.put_meta(meta_name(blender.fingerprint, backend),
-                       {"failed": known, "checked": list(CHECKED), "model": model, "backend": backend})
-    return known
+    return known if known is not None else check(store, blender, tokenizer, backend, model)
+
+
+def check(store, blender, tokenizer, backend: str, model: str) -> list[str]:
+    """Run the gate now and remember its verdict in ``store``; → the failed methods."""
+    failed = failing_methods(blender, tokenizer)
+    store.put_meta(meta_name(blender.fingerprint, backend),
+                   {"failed": failed, "checked": list(CHECKED), "model": model, "backend": backend})
+    return failed
 
 
 def remembered(store, fingerprint: str, backend: str) -> list[str] | None:

@@ -131,17 +131,15 @@ def _reference(engine: BenchEngine, suite: Suite, target: str, ex: Example, prom
                refs: Path | None) -> tuple:
     """Full prefill's greedy output on ``prompt`` and its wall time: computed, or read from ``refs`` (one
     safetensors file per target and prompt: first-token logits, tokens; text and stats in its metadata)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+    from safetensors.torch import save_file
 
     from ..output import GenerationOutput, GenerationStats
 
     path = refs / _safe(target) / (_safe(ex.id) + ".safetensors") if refs else None
     if path is not None and path.exists():
-        from safetensors import safe_open
-
         with safe_open(str(path), "pt") as f:
-            meta = f.metadata()
-        t = load_file(str(path))
+            meta, t = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
         stats = GenerationStats.from_dict(json.loads(meta["stats"]))
         return (GenerationOutput(meta["text"], t["token_ids"].tolist(), stats, meta["finish"], t["first_logits"]),
                 float(meta["wall_s"]))

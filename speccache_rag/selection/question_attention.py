@@ -72,8 +72,8 @@ def question_probe(ops, sel: Selection, recomputed: torch.Tensor) -> QuestionAtt
                              len(sel.tokens), sel.config.qattn_heads)
 
 
-def second_pass(probe: QuestionAttention, sel: Selection, recomputed: torch.Tensor,
-                taken: torch.Tensor | None = None, share: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def second_pass(probe: QuestionAttention, sel: Selection, recomputed: torch.Tensor, taken: torch.Tensor,
+                share: float) -> tuple[torch.Tensor, torch.Tensor]:
     """After a pass over ``recomputed`` → (chosen positions, positions to recompute again): ``share`` of the
     budget, among candidates not ``taken`` by an earlier round. Recomputed (or taken) tokens before the first
     chosen one read nothing stale: their pass is final; those after it are recomputed again."""
@@ -83,14 +83,11 @@ def second_pass(probe: QuestionAttention, sel: Selection, recomputed: torch.Tens
         reused = sel.reused_chunks()
         sinks = sum(min(cfg.qattn_sink, s.end - s.start) for s in sel.tokens.chunk_segments() if s.chunk in reused)
         budget = min(budget, adaptive_budget(pool(probe.scores, cfg.qattn_pool)[candidates], cfg) + sinks)
-    if taken is not None and taken.numel():
-        candidates = candidates[~torch.isin(candidates, taken)]
-        budget -= taken.numel()
-    chosen = top_positions(qattn_scores(probe, sel), candidates, round(budget * share))
+    candidates = candidates[~torch.isin(candidates, taken)]
+    chosen = top_positions(qattn_scores(probe, sel), candidates, round((budget - taken.numel()) * share))
     if chosen.numel() == 0:
         return chosen, chosen
-    if taken is not None:                  # an earlier round's tokens after this round's first read stale KV
-        recomputed = torch.cat([recomputed, taken])
+    recomputed = torch.cat([recomputed, taken])   # an earlier round's tokens after this round's first read stale KV
     return chosen, torch.cat([chosen, recomputed[recomputed > chosen[0]]]).unique()
 
 
@@ -126,9 +123,6 @@ def qattn_prefill(ops, cache: KVCache, sel: Selection, always: torch.Tensor) -> 
         if chosen.numel() == 0:
             break
         taken = torch.cat([taken, chosen])
-        last = r == rounds - 1
-        probe = None if last else question_probe(ops, sel, again)
+        probe = question_probe(ops, sel, again) if r < rounds - 1 else None
         logits = prefill(ops, cache, ids[again], again, observe=probe)
-        if last:
-            break
     return logits, torch.cat([taken, always]).unique()
