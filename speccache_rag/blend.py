@@ -15,6 +15,7 @@ import torch
 from .config import DRAFT_METHODS, ReuseConfig
 from .kv import ChunkKV, chunk_key
 from .layers import LayerOps
+from .neighbors import choose as neighbors_choose
 from .output import GenerationStats
 from .prompt import RAGPrompt, Segment, TokenizedPrompt
 from .runner import KVCache, full_prefill, prefill
@@ -45,25 +46,39 @@ class Blender:
         self.draft, self.hidden_states, self.selector = draft, hidden_states, selector
 
     @torch.inference_mode()
-    def chunk_kv(self, token_ids: list[int], key: str, text: str) -> ChunkKV:
-        """The chunk prefilled alone (after the sink tokens, whose entries are dropped), keys before RoPE."""
-        cache, _ = full_prefill(self.ops, torch.tensor(self.sink_ids + list(token_ids)), keep_pre_rope=True)
-        return chunk_entry(cache, len(self.sink_ids), len(self.sink_ids) + len(token_ids), token_ids, key, text,
-                           self.fingerprint)
+    def chunk_kv(self, token_ids: list[int], key: str, text: str, context_ids: list[int] = (),
+                 context: list[str] = ()) -> ChunkKV:
+        """The chunk prefilled alone (after the sink tokens, whose entries are dropped), keys before RoPE;
+        with ``context_ids``, after those too (a variant: ``neighbors.py``; ``context``: their plain keys)."""
+        head = self.sink_ids + list(context_ids)
+        cache, _ = full_prefill(self.ops, torch.tensor(head + list(token_ids)), keep_pre_rope=True)
+        entry = chunk_entry(cache, len(head), len(head) + len(token_ids), token_ids, key, text, self.fingerprint)
+        if context_ids:
+            entry.meta.update(context_ids=list(context_ids), context=list(context))
+        return entry
 
     def load(self, tokens: TokenizedPrompt, cache: KVCache, stats: GenerationStats,
-             keys: dict[int, str] | None = None) -> tuple[torch.Tensor, list[Segment]]:
+             keys: dict[int, str] | None = None, neighbors: str = "off") -> tuple[torch.Tensor, list[Segment]]:
         """Put every stored chunk's KV, rotated to its true positions, into ``cache`` → (reusable [N], missed).
 
         keys: chunk start → store key, where a caller already matched the chunk (its tokens may then be
-        a prefix of the entry's: by causality the KV of a chunk's first tokens does not depend on the rest)."""
+        a prefix of the entry's: by causality the KV of a chunk's first tokens does not depend on the rest).
+        neighbors: which variant with ingestion-time context to read, where the store holds some
+        (``neighbors.choose``); the plain entry where none fits or the variant is gone."""
         reusable = torch.zeros(len(tokens), dtype=torch.bool)
         missed = []
-        for seg in tokens.chunk_segments():
-            if seg.end == seg.start:        # an empty span (vllm serve's spans may hold one): nothing to load
-                continue
+        segs = [s for s in tokens.chunk_segments() if s.end > s.start]  # vllm serve's spans may hold empty ones
+        plain = {s.start: (keys or {}).get(s.start) or chunk_key(self.fingerprint, tokens.token_ids[s.start:s.end])
+                 for s in segs}
+        retrieved = set(plain.values())
+        for seg in segs:
             ids = tokens.token_ids[seg.start:seg.end]
-            entry = self.store.get((keys or {}).get(seg.start) or chunk_key(self.fingerprint, ids))
+            variant = neighbors_choose(self.store, plain[seg.start], retrieved, neighbors)
+            entry = self.store.get(variant) if variant else None
+            if entry is None:
+                entry = self.store.get(plain[seg.start])
+            else:
+                stats.context_variants += 1
             n = len(ids)
             if entry is None or entry.token_ids[:n] != ids:
                 stats.cache_misses += 1
@@ -88,7 +103,7 @@ class Blender:
             return Blended(logits, torch.arange(n), [])
 
         t = time.perf_counter()
-        reusable, missed = self.load(tokens, cache, stats, keys)
+        reusable, missed = self.load(tokens, cache, stats, keys, reuse.neighbors)
         stats.load_s = time.perf_counter() - t
         draft, draft_tokenizer = self.draft() if reuse.method in DRAFT_METHODS and self.draft else (None, None)
         sel = Selection(tokens, reusable, budget_for(reuse.recompute_ratio, int(reusable.sum()), reuse), reuse,

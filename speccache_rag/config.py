@@ -10,6 +10,7 @@ DRAFT_METHODS = ("speccache", "norm", "deviation")   # the methods that run the 
 AUTO_METHODS = ("qattn", "speccache", "cacheblend")
 SINK_POLICIES = ("bos", "prefix", "none")
 SPAN_RULES = ("smooth", "none")
+NEIGHBOR_POLICIES = ("retrieved", "nearest", "off")   # chunk variants with ingestion-time context (neighbors.py)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class ReuseConfig:
     qattn_heads: str = "mean"           # qattn: "mean" or "max" over heads
     qattn_sink: int = 0                 # qattn: the first k tokens of every chunk are chosen first
     qattn_rounds: int = 1               # qattn: the budget in n parts, each re-scored over the repaired KV
+    neighbors: str = "retrieved"        # which stored variant of a chunk to read (neighbors.py)
     seed: int = 0                       # for "random"
 
     def __post_init__(self):
@@ -71,6 +73,8 @@ class ReuseConfig:
             raise ValueError(f"need qattn_pool >= 1 and qattn_sink >= 0, got {self.qattn_pool}, {self.qattn_sink}")
         if self.qattn_heads not in ("mean", "max"):
             raise ValueError(f"qattn_heads must be 'mean' or 'max', got {self.qattn_heads!r}")
+        if self.neighbors not in NEIGHBOR_POLICIES:
+            raise ValueError(f"neighbors must be one of {', '.join(NEIGHBOR_POLICIES)}, got {self.neighbors!r}")
         if self.tau_smooth < 0 or not 0.0 <= self.tau_cover <= 1.0 or self.max_span < 1:
             raise ValueError("need tau_smooth >= 0, tau_cover in [0, 1], max_span >= 1")
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 
 import torch
@@ -11,6 +11,7 @@ import torch
 from .config import SINK_POLICIES, GenerationConfig, OffloadConfig, ReuseConfig
 from .hardware import configure_threads, dtype_name, resolve_dtype
 from .blend import Blender
+from . import neighbors
 from .kv import ChunkKV, chunk_key, model_fingerprint
 from .layers import HFLayers
 from .offload import OffloadDecoder
@@ -84,21 +85,43 @@ class SpecCacheEngine(StreamingEngine):
         return engine
 
     # ---- ingestion ------------------------------------------------------------------------------
-    def precompute(self, texts: Iterable[str], progress: bool = False) -> list[str]:
-        """Compute and store the KV of each chunk text (idempotent); returns their keys in order."""
+    def precompute(self, texts: Iterable[str], progress: bool = False,
+                   context: Sequence[Sequence[str]] | None = None) -> list[str]:
+        """Compute and store the KV of each chunk text (idempotent); returns their (plain) keys in order.
+
+        context: for each text, the texts to prefill it after as well — its nearest neighbours in the
+        corpus (``neighbors.nearest`` over the ingestion embeddings) — stored as a variant beside the plain
+        entry; queries that retrieve those neighbours too read the variant (``ReuseConfig.neighbors``)."""
         from tqdm.auto import tqdm
 
         texts = list(texts)
+        if context is not None and len(context) != len(texts):
+            raise ValueError(f"context has {len(context)} entries for {len(texts)} texts: give one list per text")
         keys = []
-        for text in tqdm(texts, desc="precompute KV", unit="chunk", disable=not progress):
+        for i, text in enumerate(tqdm(texts, desc="precompute KV", unit="chunk", disable=not progress)):
             if not isinstance(text, str) or not text.strip():
                 raise ValueError("cannot precompute an empty chunk")
             ids, _ = tokenize_piece(self.tokenizer, text)
             key = chunk_key(self.fingerprint, ids)
             if not self.store.contains(key):
                 self.store.put(self.chunk_kv(ids, key, text))
+            if context is not None and context[i]:
+                self._precompute_variant(ids, key, text, list(context[i]))
             keys.append(key)
         return keys
+
+    def _precompute_variant(self, ids: list[int], key: str, text: str, context: list[str]) -> None:
+        if any(not isinstance(c, str) or not c.strip() for c in context):
+            raise ValueError("context texts must be non-empty strings")
+        ctx_ids = neighbors.context_ids(self.tokenizer, context)
+        if len(ctx_ids) + len(ids) + len(self.blender.sink_ids) > self.context_window:
+            raise ValueError(f"a chunk of {len(ids)} tokens after {len(ctx_ids)} tokens of context exceeds the "
+                             f"context window of {self.context_window} tokens; pass fewer neighbours")
+        vkey = chunk_key(self.fingerprint, ids, ctx_ids)
+        ctx_keys = [chunk_key(self.fingerprint, tokenize_piece(self.tokenizer, c)[0]) for c in context]
+        if not self.store.contains(vkey):
+            self.store.put(self.blender.chunk_kv(ids, vkey, text, ctx_ids, ctx_keys))
+        neighbors.register(self.store, key, vkey, ctx_keys)
 
     def chunk_kv(self, token_ids: list[int], key: str, text: str) -> ChunkKV:
         """The chunk prefilled alone (after the sink tokens, whose entries are dropped), keys before RoPE."""

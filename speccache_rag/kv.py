@@ -105,10 +105,14 @@ def read_meta(blob: bytes) -> dict:
     return meta
 
 
-def chunk_key(fingerprint: str, token_ids: list[int]) -> str:
-    """Content address of a chunk's KV: the model fingerprint plus the exact token ids."""
+def chunk_key(fingerprint: str, token_ids: list[int], context_ids: list[int] = ()) -> str:
+    """Content address of a chunk's KV: the model fingerprint plus the exact token ids, and for a chunk
+    prefilled after ingestion-time context (``neighbors.py``) that context's token ids."""
     h = hashlib.sha256(fingerprint.encode())
     h.update(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes())
+    if context_ids:
+        h.update(b"context")
+        h.update(torch.tensor(context_ids, dtype=torch.int64).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -34,6 +34,7 @@ class GenerationStats:
     recomputed_tokens: int = 0
     cache_hits: int = 0
     cache_misses: int = 0
+    context_variants: int = 0       # hits read from a variant with ingestion-time context (neighbors.py)
     generated_tokens: int = 0
     ttft_s: float = 0.0
     total_s: float = 0.0
@@ -62,7 +63,8 @@ class GenerationStats:
         share = self.recomputed_tokens / max(1, self.prompt_tokens)
         return (f"method={self.method} prompt={self.prompt_tokens} reused={self.reused_tokens} "
                 f"recomputed={self.recomputed_tokens} ({share:.1%}) hits={self.cache_hits} misses={self.cache_misses} "
-                f"load={self.load_s:.3f}s draft={self.draft_s:.3f}s recompute={self.recompute_s:.3f}s"
+                + (f"variants={self.context_variants} " if self.context_variants else "")
+                + f"load={self.load_s:.3f}s draft={self.draft_s:.3f}s recompute={self.recompute_s:.3f}s"
                 + (f" stored={self.stored_chunks} fill={self.fill_s:.3f}s" if self.stored_chunks else "")
                 + (f" offload={self.offload.bits}bit resident={self.offload.resident_ratio:.3f}x"
                    if self.offload else ""))

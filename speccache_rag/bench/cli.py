@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only prompts with index K mod N: N processes with the same --out and --resume split a suite")
     p.add_argument("--sink", default=None, choices=SINK_POLICIES,
                    help="chunk-KV policy: bos (default), prefix (behind the shared template prefix) or none")
+    p.add_argument("--neighbors", type=int, default=None, metavar="K",
+                   help="LongBench suites: also store each chunk's KV prefilled after its K nearest passages of the "
+                        "file (all-MiniLM-L6-v2), the FusionRAG variant that ReuseConfig.neighbors reads")
     p.add_argument("--targets", default=None, help="offload suite: comma-separated target models")
     p.add_argument("--contexts", default=None, help="offload suite: prompt lengths in tokens (default: 4096,8192)")
     p.add_argument("--kv-store", default=None, metavar="STORE",
@@ -72,7 +75,8 @@ def suite_from_args(args: argparse.Namespace) -> Suite:
         pairs=pairs, methods=_csv(args.methods) if args.methods else None, ttft_methods=ttft,
         n_per_task=args.per_task, n_chunks=args.chunks, chunk_tokens=args.bench_chunk_tokens,
         ttft_examples=args.ttft_prompts if ttft != [] else 0, ttft_reps=args.reps,
-        max_new_tokens=args.bench_max_new_tokens, sweep_examples=args.sweep_prompts, sink=args.sink)
+        max_new_tokens=args.bench_max_new_tokens, sweep_examples=args.sweep_prompts, sink=args.sink,
+        neighbors=args.neighbors)
 
 
 def _pairs(text: str) -> list[tuple[str, str]]:

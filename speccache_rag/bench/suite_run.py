@@ -155,7 +155,8 @@ def _reference(engine: BenchEngine, suite: Suite, target: str, ex: Example, prom
 
 
 def quality_example(engine: BenchEngine, suite: Suite, target: str, drafts: list[tuple], ex: Example,
-                    methods: list[str], writer: _Writer, refs: Path | None = None) -> None:
+                    methods: list[str], writer: _Writer, refs: Path | None = None,
+                    context: dict[str, list[str]] | None = None) -> None:
     """Every method on one prompt, for each ``(name, model, tokenizer)`` draft of ``target``. One chunk
     precompute and one full-prefill reference serve every draft; draft-independent methods run once."""
     plans = [(draft, dmodel, dtok, *_quality_todo(suite, (target, draft), ex, methods, writer.done))
@@ -164,7 +165,7 @@ def quality_example(engine: BenchEngine, suite: Suite, target: str, drafts: list
         return
     prompt = _prompt(suite, ex)
     tokens = render(prompt, engine.tokenizer)
-    engine.precompute(ex.chunks)
+    _precompute(engine, ex, context)
     with engine.memoized():
         ref, ref_wall = _reference(engine, suite, target, ex, prompt, refs)
         for draft, dmodel, dtok, todo, want_agree in plans:
@@ -205,7 +206,7 @@ def quality_example(engine: BenchEngine, suite: Suite, target: str, drafts: list
 
 
 def timing_example(engine: BenchEngine, suite: Suite, target: str, drafts: list[tuple], ex: Example,
-                   writer: _Writer) -> None:
+                   writer: _Writer, context: dict[str, list[str]] | None = None) -> None:
     """TTFT of every timed method, for every draft, on one prompt: warm-up, then ``ttft_reps`` interleaved
     rounds (the order rotates each round); ratios are to full's median on the same prompt, same process."""
     runs = _timed_runs(suite, target, [d for d, *_ in drafts], ex)
@@ -214,7 +215,7 @@ def timing_example(engine: BenchEngine, suite: Suite, target: str, drafts: list[
         return
     prompt = _prompt(suite, ex)
     tokens = render(prompt, engine.tokenizer)
-    engine.precompute(ex.chunks)
+    _precompute(engine, ex, context)
     fams = {spec.family for _, spec, _ in runs}
     if "static" in fams:
         for _, dmodel, dtok in drafts:
@@ -244,6 +245,11 @@ def timing_example(engine: BenchEngine, suite: Suite, target: str, drafts: list[
     engine.forget_draft()
 
 
+def _precompute(engine: BenchEngine, ex: Example, context: dict[str, list[str]] | None) -> None:
+    """The prompt's chunks, and with ``context`` their variants after their corpus neighbours too."""
+    engine.precompute(ex.chunks, context=[context[c] for c in ex.chunks] if context else None)
+
+
 def _prompt(suite: Suite, ex: Example) -> RAGPrompt:
     system = {} if suite.system is None else {"system": suite.system}
     return RAGPrompt(chunks=ex.chunks, question=ex.question, **system)
@@ -269,8 +275,8 @@ STAGES = ("quality", "ttft")
 # What makes prompt i, its answers and its timings what they are: a resumed run must not change these,
 # or its rows would sit beside rows of other prompts under the same example id.
 SAME_ON_RESUME = ("n_chunks", "chunk_tokens", "seed", "max_new_tokens", "stop", "ttft_n_chunks", "ttft_chunk_tokens",
-                  "ttft_reps", "ttft_warmup", "sink", "system", "passages")
-_BEFORE_DEFAULTS = {"sink": "bos"}          # results written before the field existed
+                  "ttft_reps", "ttft_warmup", "sink", "system", "passages", "neighbors")
+_BEFORE_DEFAULTS = {"sink": "bos", "neighbors": 0}          # results written before the field existed
 
 
 def _check_same_prompts(before: dict, now: dict, longbench_before: str | None, longbench_now: str | None) -> None:
@@ -346,12 +352,18 @@ def run_suite(suite: Suite, out: str | Path, resume: bool = False, fresh: bool =
             drafts = [(d, *models.get(d)) for d in draft_names]
             engine = BenchEngine(tmodel, ttok, store=kv_store or "memory://", name=target, sink=suite.sink)
             refs = out / "refs" if kv_store else None
+            context = None
+            if suite.neighbors and longbench:
+                from .corpus import neighbour_context
+
+                context = neighbour_context(load_longbench(longbench, chunk_tokens=suite.chunk_tokens,
+                                                           count=tokenizer_counter(ttok)), suite.neighbors)
             for ex, methods in tqdm(plan, desc=f"quality {target} ← {', '.join(draft_names)}", unit="prompt",
                                     disable=not progress):
-                quality_example(engine, suite, target, drafts, ex, methods, writer, refs)
+                quality_example(engine, suite, target, drafts, ex, methods, writer, refs, context)
             for ex in tqdm(timed, desc=f"ttft {target} ← {', '.join(draft_names)}", unit="prompt",
                            disable=not progress):
-                timing_example(engine, suite, target, drafts, ex, writer)
+                timing_example(engine, suite, target, drafts, ex, writer, context)
             engine.close()
     finally:
         writer.close()

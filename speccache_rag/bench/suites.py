@@ -50,6 +50,7 @@ class Suite:
     system: str | None = None                    # the prompt's system message (None: RAGPrompt's default)
     longbench: str | None = None                 # a LongBench JSONL file this suite reads (--longbench overrides)
     passages: int | None = None                  # LongBench: the first N passages of each row (None: all)
+    neighbors: int = 0                           # LongBench: chunks also stored after their k nearest passages
 
     def validate(self) -> "Suite":
         from .methods import parse_method
@@ -58,6 +59,8 @@ class Suite:
             parse_method(m)
         if self.ttft_methods and "full" not in self.ttft_methods:
             raise ValueError("ttft_methods must include 'full' (ratios are to full, in the same run)")
+        if self.neighbors < 0:
+            raise ValueError(f"neighbors must be >= 0, got {self.neighbors}")
         if self.ttft_reps < 1 or self.n_per_task < 1:
             raise ValueError("need ttft_reps >= 1 and n_per_task >= 1")
         return self

@@ -62,7 +62,7 @@ def verify(store: KVStore, fingerprints: Iterable[str] = (), delete: bool = Fals
         try:
             chunk = ChunkKV.from_bytes(blob, expect_key=key)
             fp = chunk.meta.get("fingerprint")
-            if fp is not None and chunk_key(fp, chunk.token_ids) != key:
+            if fp is not None and chunk_key(fp, chunk.token_ids, chunk.meta.get("context_ids", ())) != key:
                 why = "key is not the content address of the entry's tokens"
         except CorruptEntry as e:
             why, fp = str(e), None
