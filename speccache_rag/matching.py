@@ -224,12 +224,32 @@ def chunk_index(engine) -> ChunkTextIndex:
         return _INDEXES[engine]
 
 
-def precompute_texts(engine, texts: Iterable[str], progress: bool = False) -> list[str]:
-    """``engine.precompute`` of the stripped texts, remembered for matching; → their keys."""
+def precompute_texts(engine, texts: Iterable[str], progress: bool = False, embeddings=None,
+                     neighbors: int = 0) -> list[str]:
+    """``engine.precompute`` of the stripped texts, remembered for matching; → their keys.
+
+    neighbors > 0: each text is also stored prefilled after its ``neighbors`` nearest texts of this batch by
+    ``embeddings`` (one vector per text, as the framework's ingestion made them): ``neighbors.py``."""
     texts = [t.strip() for t in texts]
-    keys = engine.precompute(texts, progress=progress)
+    context = None
+    if neighbors:
+        context = neighbour_texts(texts, embeddings, neighbors)
+        if not hasattr(engine, "blender"):
+            raise ValueError("ingestion-time neighbours are computed by the torch engine: precompute with a local "
+                             "engine (remote mode: precompute(..., engine=SpecCacheEngine.from_pretrained(...)))")
+    keys = engine.precompute(texts, progress=progress, **({"context": context} if context else {}))
     chunk_index(engine).add(texts, keys)
     return keys
+
+
+def neighbour_texts(texts: list[str], embeddings, k: int) -> list[list[str]]:
+    """For each text, its ``k`` nearest other texts by ``embeddings`` (duplicates of itself left out)."""
+    from .neighbors import nearest
+
+    if embeddings is None or len(embeddings) != len(texts):
+        raise ValueError(f"neighbors={k} needs one embedding per text ({len(texts)}), got "
+                         f"{'none' if embeddings is None else len(embeddings)}")
+    return [[texts[j] for j in near if texts[j] != texts[i]] for i, near in enumerate(nearest(embeddings, k))]
 
 
 def prompt_from_text(engine, prompt: str | Sequence[dict], hints: Iterable[str] | None = None) -> ChatPrompt:

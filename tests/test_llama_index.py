@@ -219,3 +219,27 @@ def test_concurrent_calls_each_report_their_own_stats(engine, chunk):
         assert (got["prompt_tokens"], got["cache_hits"], got["reused_tokens"]) == \
             (want["prompt_tokens"], want["cache_hits"], want["reused_tokens"])
     assert [a["cache_hits"] for a in alone] == [1, 0, 1, 0]
+
+
+def test_neighbours_from_node_embeddings(index, engine, embed_model):
+    """neighbors=1 stores every node also prefilled after its nearest node (by the pipeline's embeddings); a
+    prompt holding both reads that variant."""
+    from speccache_rag import RAGPrompt
+    from speccache_rag.neighbors import variants
+
+    nodes = [TextNode(text=n.text, metadata=n.metadata) for n in list(index.docstore.docs.values())[:4]]
+    for n in nodes:                                                  # what the embed step before it does
+        n.embedding = embed_model.get_text_embedding(n.get_content(metadata_mode=MetadataMode.EMBED))
+    fresh = SpecCacheEngine(engine.target, engine.tokenizer, store="memory://", gate=False, warm_up=False)
+    step = SpecCacheKVPrecompute(engine=fresh, neighbors=1)
+    assert step(nodes) == nodes
+    texts = [n.get_content(metadata_mode=MetadataMode.LLM).strip() for n in nodes]
+    plain = fresh.precompute(texts)
+    found = [variants(fresh.store, k) for k in plain]
+    assert all(len(v) == 1 and len(v[0]["context"]) == 1 for v in found)
+    j = plain.index(found[0][0]["context"][0])
+    out = fresh.generate(RAGPrompt(chunks=[texts[0], texts[j]], question=QUESTION), max_new_tokens=1)
+    assert out.stats.context_variants >= 1
+    bare = [TextNode(text=n.get_content()) for n in nodes]          # no embeddings: a clear error
+    with pytest.raises(ValueError, match="embedding"):
+        step(bare)

@@ -7,6 +7,7 @@ from typing import Any, AsyncIterator, Iterable, Iterator, Literal, Optional, Se
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.documents import Document
+from langchain_core.embeddings import Embeddings
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.language_models.chat_models import agenerate_from_stream, generate_from_stream
 from langchain_core.messages import (
@@ -175,19 +176,23 @@ class ChatSpecCache(BaseChatModel):
         return self._hints
 
     def precompute(self, texts_or_documents: Iterable[Union[str, Document]], progress: bool = False,
-                   engine: Optional[SpecCacheEngine] = None) -> list[str]:
+                   engine: Optional[SpecCacheEngine] = None, embeddings: Optional[Embeddings] = None,
+                   neighbors: int = 0) -> list[str]:
         """Precompute the KV of each chunk (a string, or a Document's ``page_content``); → store keys.
 
         Remote mode: the server computes and stores it (``chat.engine.last_precompute``: new / already
         stored / failed); or pass a local ``engine`` writing to the store the server reads — refused
-        with ``ValueError`` unless the server would read its KV (same model fingerprint)."""
+        with ``ValueError`` unless the server would read its KV (same model fingerprint).
+        ``neighbors=k`` with ``embeddings`` (the retriever's): each chunk is also stored prefilled after its
+        k nearest chunks of this batch, which queries that retrieve them too read (closer to full prefill)."""
         texts = [d.page_content if isinstance(d, Document) else d for d in texts_or_documents]
+        vectors = embeddings.embed_documents([t.strip() for t in texts]) if neighbors and embeddings else None
         if engine is None:
-            return precompute_texts(self.engine, texts, progress=progress)
+            return precompute_texts(self.engine, texts, progress=progress, embeddings=vectors, neighbors=neighbors)
         if not self.base_url:
             raise ValueError("precompute(engine=...) is for remote mode; a local ChatSpecCache has its own engine")
         self.engine.check_engine(engine)
-        keys = precompute_texts(engine, texts, progress=progress)
+        keys = precompute_texts(engine, texts, progress=progress, embeddings=vectors, neighbors=neighbors)
         chunk_index(self.engine).add([t.strip() for t in texts], keys)
         return keys
 

@@ -47,15 +47,17 @@ class MethodSpec:
         return self.family in DRAFT_FAMILIES
 
     def reuse_config(self) -> ReuseConfig:
+        options = dict(self.options)
         if self.family == "full":
-            return ReuseConfig(method="full", recompute_ratio=1.0)
+            return ReuseConfig(method="full", recompute_ratio=1.0, **options)
         if self.family == "reuse":
-            return ReuseConfig(method="reuse", recompute_ratio=0.0)
+            # naive reuse is the baseline every KL gap is measured from: the plain chunks, unless asked
+            return ReuseConfig(method="reuse", recompute_ratio=0.0, **{"neighbors": "off", **options})
         if self.family == "epic" and self.epic_k is not None:
-            return ReuseConfig(method="epic", epic_k=self.epic_k, recompute_ratio=1.0)
+            return ReuseConfig(method="epic", epic_k=self.epic_k, recompute_ratio=1.0, **options)
         engine_method = "norm" if self.family in EXPERIMENTS else self.family
         mass = {} if self.auto_mass is None else {"auto_mass": self.auto_mass}
-        return ReuseConfig(method=engine_method, recompute_ratio=self.ratio, **mass, **dict(self.options))
+        return ReuseConfig(method=engine_method, recompute_ratio=self.ratio, **mass, **options)
 
 
 def _option(item: str) -> tuple[str, object]:

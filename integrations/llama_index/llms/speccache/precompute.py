@@ -38,6 +38,8 @@ class SpecCacheKVPrecompute(TransformComponent):
     store: str = Field(default="", description="Where the KV goes.")
     metadata_mode: MetadataMode = Field(default=MetadataMode.LLM, description="How node text is rendered.")
     show_progress: bool = Field(default=False, description="Show a progress bar.")
+    neighbors: int = Field(default=0, ge=0, description="Also store each node's KV prefilled after its k nearest "
+                                                        "nodes (by node.embedding: embed before this step).")
 
     _llm: Optional[SpecCacheLLM] = PrivateAttr(default=None)
     _engine: Optional[SpecCacheEngine] = PrivateAttr(default=None)
@@ -73,10 +75,18 @@ class SpecCacheKVPrecompute(TransformComponent):
         if self._engine is not None and self._llm is not None and not self._checked:
             self._llm.engine.check_engine(self._engine)          # refuse KV the server would never read
             self._checked = True
-        keys = precompute_texts(self.engine, [t for t in texts if t],
-                                progress=kwargs.get("show_progress", self.show_progress))
+        kept = [(t, n) for t, n in zip(texts, nodes) if t]
+        vectors = None
+        if self.neighbors:
+            if any(n.embedding is None for _, n in kept):
+                raise ValueError("SpecCacheKVPrecompute(neighbors=...) reads node.embedding: put the embedding "
+                                 "model before it in the pipeline")
+            vectors = [n.embedding for _, n in kept]
+        keys = precompute_texts(self.engine, [t for t, _ in kept],
+                                progress=kwargs.get("show_progress", self.show_progress), embeddings=vectors,
+                                neighbors=self.neighbors)
         if self._engine is not None and self._llm is not None:   # the remote LLM learns them too
-            chunk_index(self._llm.engine).add([t for t in texts if t], keys)
+            chunk_index(self._llm.engine).add([t for t, _ in kept], keys)
         return nodes
 
     async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
