@@ -70,10 +70,10 @@ class Blender:
         segs = [s for s in tokens.chunk_segments() if s.end > s.start]  # vllm serve's spans may hold empty ones
         plain = {s.start: (keys or {}).get(s.start) or chunk_key(self.fingerprint, tokens.token_ids[s.start:s.end])
                  for s in segs}
-        retrieved = set(plain.values())
-        for seg in segs:
+        retrieved, order = set(plain.values()), list(plain.values())
+        for i, seg in enumerate(segs):
             ids = tokens.token_ids[seg.start:seg.end]
-            variant = neighbors_choose(self.store, plain[seg.start], retrieved, neighbors)
+            variant = neighbors_choose(self.store, plain[seg.start], order[:i], retrieved, neighbors)
             entry = self.store.get(variant) if variant else None
             if entry is None:
                 entry = self.store.get(plain[seg.start])

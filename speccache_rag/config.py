@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEFAULT_STORE = "./.speccache/kv"      # where engines, the connector and the drop-ins keep chunk KV by default
 METHODS = ("full", "reuse", "epic", "cacheblend", "speccache", "norm", "deviation", "qattn", "random", "oracle")
 DRAFT_METHODS = ("speccache", "norm", "deviation")   # the methods that run the draft model
 # Methods whose scores concentrate where it matters, so recompute_ratio="auto" can size the budget by their
@@ -10,7 +11,7 @@ DRAFT_METHODS = ("speccache", "norm", "deviation")   # the methods that run the 
 AUTO_METHODS = ("qattn", "speccache", "cacheblend")
 SINK_POLICIES = ("bos", "prefix", "none")
 SPAN_RULES = ("smooth", "none")
-NEIGHBOR_POLICIES = ("retrieved", "nearest", "off")   # chunk variants with ingestion-time context (neighbors.py)
+NEIGHBOR_POLICIES = ("preceding", "retrieved", "nearest", "off")   # chunk variants with ingestion-time context (neighbors.py)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from functools import partial
 
 import torch
 
-from .config import SINK_POLICIES, GenerationConfig, OffloadConfig, ReuseConfig
+from .config import DEFAULT_STORE, SINK_POLICIES, GenerationConfig, OffloadConfig, ReuseConfig
 from .hardware import configure_threads, dtype_name, resolve_dtype
 from .blend import Blender
 from . import neighbors
@@ -59,7 +59,7 @@ class SpecCacheEngine(StreamingEngine):
             self._warm_up()
 
     @classmethod
-    def from_pretrained(cls, target: str, draft: str | None = None, store: KVStore | str = "./.speccache/kv",
+    def from_pretrained(cls, target: str, draft: str | None = None, store: KVStore | str = DEFAULT_STORE,
                         backend: str = "torch", dtype: torch.dtype | str = "auto", threads: int | None = None,
                         **kwargs) -> "SpecCacheEngine":
         """target/draft: a packaged name ("smollm2-135m", "qwen2.5-coder-0.5b", …), an HF directory or a .gguf

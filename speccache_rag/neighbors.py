@@ -47,17 +47,23 @@ def register(store: KVStore, plain_key: str, variant_key: str, context: list[str
         store.put_meta(_index_name(plain_key), {"variants": known + [{"key": variant_key, "context": context}]})
 
 
-def choose(store: KVStore, plain_key: str, retrieved: set[str], policy: str) -> str | None:
-    """The variant key to read for a chunk among ``retrieved`` plain keys, or None for the plain entry.
+def choose(store: KVStore, plain_key: str, before: list[str], retrieved: set[str], policy: str) -> str | None:
+    """The variant key to read for a chunk, or None for the plain entry. ``before``: the plain keys of the
+    chunks ahead of it in the prompt; ``retrieved``: those of every chunk in the prompt.
 
-    ``"retrieved"``: the variant that shares the most context chunks with the prompt, if it shares any;
-    ``"nearest"``: that one, or else the first registered (the chunk's nearest neighbours at ingestion);
-    ``"off"``: never a variant."""
+    ``"preceding"``: the variant whose context chunks all come before it in the prompt (what full prefill
+    lets it read), the one with most of them; ``"retrieved"``: the variant sharing most context chunks with
+    the prompt, wherever they sit, if it shares any; ``"nearest"``: that one, or else the first registered
+    (the chunk's nearest neighbours at ingestion); ``"off"``: never a variant."""
     if policy == "off":
         return None
     found = variants(store, plain_key)
     if not found:
         return None
+    if policy == "preceding":
+        ahead = set(before)
+        fits = [v for v in found if set(v["context"]) <= ahead]
+        return max(fits, key=lambda v: len(v["context"]))["key"] if fits else None
     overlap = [len(retrieved.intersection(v["context"])) for v in found]
     best = max(range(len(found)), key=overlap.__getitem__)
     if overlap[best] or policy == "nearest":

@@ -31,18 +31,22 @@ def test_the_variant_key_covers_the_context():
     assert chunk_key("fp", [1, 2, 3], []) == chunk_key("fp", [1, 2, 3])
 
 
-def test_choose_picks_the_variant_whose_neighbours_were_retrieved():
+def test_choose_by_policy():
     store = open_store("memory://")
     register(store, "p" * 8, "v1", ["a", "b"])
     register(store, "p" * 8, "v2", ["c"])
     register(store, "p" * 8, "v2", ["c"])                      # idempotent
     assert [v["key"] for v in variants(store, "p" * 8)] == ["v1", "v2"]
-    assert choose(store, "p" * 8, {"c", "x"}, "retrieved") == "v2"
-    assert choose(store, "p" * 8, {"a", "b", "c"}, "retrieved") == "v1"
-    assert choose(store, "p" * 8, {"x"}, "retrieved") is None
-    assert choose(store, "p" * 8, {"x"}, "nearest") == "v1"
-    assert choose(store, "p" * 8, {"a"}, "off") is None
-    assert choose(store, "q" * 8, {"a"}, "nearest") is None    # no variants: the plain entry
+    # preceding: only a variant whose whole context comes before the chunk, the largest such
+    assert choose(store, "p" * 8, ["c"], {"a", "c"}, "preceding") == "v2"
+    assert choose(store, "p" * 8, ["b", "c", "a"], {"a", "b", "c"}, "preceding") == "v1"
+    assert choose(store, "p" * 8, ["a"], {"a", "b", "c"}, "preceding") is None
+    assert choose(store, "p" * 8, [], {"c", "x"}, "retrieved") == "v2"
+    assert choose(store, "p" * 8, [], {"a", "b", "c"}, "retrieved") == "v1"
+    assert choose(store, "p" * 8, [], {"x"}, "retrieved") is None
+    assert choose(store, "p" * 8, [], {"x"}, "nearest") == "v1"
+    assert choose(store, "p" * 8, ["a", "b"], {"a", "b"}, "off") is None
+    assert choose(store, "q" * 8, ["a"], {"a"}, "nearest") is None    # no variants: the plain entry
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +79,11 @@ def test_a_variant_is_the_chunk_prefilled_after_its_context(engine):
 def test_at_ratio_one_every_variant_policy_equals_full_prefill(engine):
     prompt = RAGPrompt(chunks=CHUNKS, question=QUESTION)
     full = engine.generate(prompt, max_new_tokens=8, reuse=ReuseConfig(method="full"), return_first_logits=True)
-    for policy in ("retrieved", "nearest", "off"):
+    # CHUNKS in order: chunks 1 and 3 have their whole context ahead of them
+    for policy, read in (("preceding", 2), ("retrieved", len(CHUNKS)), ("nearest", len(CHUNKS)), ("off", 0)):
         out = engine.generate(prompt, max_new_tokens=8, return_first_logits=True,
                               reuse=ReuseConfig(recompute_ratio=1.0, neighbors=policy))
-        assert out.stats.context_variants == (0 if policy == "off" else len(CHUNKS))
+        assert out.stats.context_variants == read
         torch.testing.assert_close(out.first_logits, full.first_logits, **LOGIT_TOL[torch.float32])
         assert out.token_ids == full.token_ids
 
@@ -86,8 +91,11 @@ def test_at_ratio_one_every_variant_policy_equals_full_prefill(engine):
 def test_a_query_reads_variants_only_where_it_retrieved_their_neighbours(engine):
     # chunk 3's only neighbour (chunk 2) is absent; chunk 0's first (chunk 1) is there
     prompt = RAGPrompt(chunks=[CHUNKS[0], CHUNKS[3], CHUNKS[1]], question=QUESTION)
-    reuse = engine.generate(prompt, max_new_tokens=1, reuse=ReuseConfig(method="reuse"), return_first_logits=True)
+    reuse = engine.generate(prompt, max_new_tokens=1, reuse=ReuseConfig(method="reuse", neighbors="retrieved"),
+                            return_first_logits=True)
     assert reuse.stats.context_variants == 2 and reuse.stats.cache_hits == 3
+    ahead = engine.generate(prompt, max_new_tokens=1, reuse=ReuseConfig(method="reuse", neighbors="preceding"))
+    assert ahead.stats.context_variants == 1                   # chunk 1 only: its context, chunk 0, is ahead
     off = engine.generate(prompt, max_new_tokens=1, reuse=ReuseConfig(method="reuse", neighbors="off"),
                           return_first_logits=True)
     assert off.stats.context_variants == 0
@@ -102,7 +110,8 @@ def test_a_lost_variant_falls_back_to_the_plain_entry(smollm2):
     eng.precompute(CHUNKS[:2], context=[[CHUNKS[1]], [CHUNKS[0]]])
     for v in variants(eng.store, eng.precompute(CHUNKS[:1])[0]):
         eng.store.delete(v["key"])
-    out = eng.generate(RAGPrompt(chunks=CHUNKS[:2], question=QUESTION), max_new_tokens=1)
+    out = eng.generate(RAGPrompt(chunks=CHUNKS[:2], question=QUESTION), max_new_tokens=1,
+                       reuse=ReuseConfig(neighbors="retrieved"))
     assert out.stats.cache_hits == 2 and out.stats.context_variants == 1 and out.stats.cache_misses == 0
 
 

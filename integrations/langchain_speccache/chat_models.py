@@ -25,6 +25,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_serializer, model_val
 
 from langchain_speccache.callbacks import RetrievalHints
 from speccache_rag import GenerationOutput, GenerationStats, OffloadConfig, ReuseConfig, SpecCacheEngine
+from speccache_rag.config import DEFAULT_STORE
 from speccache_rag.matching import (
     agenerate_text,
     astream_text,
@@ -92,7 +93,7 @@ class ChatSpecCache(BaseChatModel):
                                   description="Target model: a packaged name, a HF directory or a .gguf file "
                                   "(remote mode: the served model name; None: the server's first).")
     draft: Optional[str] = Field(default=None, description="Draft model that scores tokens; None: the target.")
-    store: Any = Field(default="./.speccache/kv",
+    store: Any = Field(default=DEFAULT_STORE,
                        description="KV store: a directory, 'memory://', 'redis://host:port/db' or a KVStore.")
     backend: str = Field(default="torch", description="Engine backend: 'torch' or 'vllm'.")
     dtype: str = Field(default="auto", description="Compute dtype: auto (bfloat16 where the hardware computes it "
@@ -100,7 +101,7 @@ class ChatSpecCache(BaseChatModel):
     method: str = Field(default=ReuseConfig().method,
                         description="Reuse method: qattn, speccache, norm, cacheblend, epic, reuse, full …")
     recompute_ratio: Union[float, Literal["auto"]] = Field(
-        default=0.15,
+        default=ReuseConfig.recompute_ratio,
         description="Share of reused chunk tokens recomputed; 'auto': chosen per prompt (ReuseConfig.auto_range).")
     offload: Union[str, OffloadConfig, None] = Field(
         default=None, description="Offloaded decoding (SpeCache), torch backend: '2bit', '1bit' or an OffloadConfig — "

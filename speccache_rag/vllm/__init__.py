@@ -35,7 +35,7 @@ def require_vllm():
 
 
 def kv_transfer_config(store: str, draft: str | None = None, method: str = ReuseConfig.method,
-                       recompute_ratio: float | str = 0.15, **extra) -> dict:
+                       recompute_ratio: float | str = ReuseConfig.recompute_ratio, **extra) -> dict:
     """The ``--kv-transfer-config`` dictionary that turns SpecCache on in ``vllm serve`` / ``vllm.LLM``.
 
     ``store``: a directory, ``redis://…`` (or ``memory://`` in-process only); ``draft``: the speculative

@@ -52,7 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from ..config import DRAFT_METHODS, METHODS, ReuseConfig
+from ..config import DEFAULT_STORE, DRAFT_METHODS, METHODS, ReuseConfig
 from ..hardware import dtype_name
 from ..prompt import RAGPrompt, sink_token_ids
 from . import PARAMS_KEY
@@ -97,10 +97,10 @@ def pop_report(tag: str) -> dict | None:
 class Options:
     """``kv_connector_extra_config``: the deployment's defaults (requests may override method/ratio/reuse)."""
 
-    store: str = "./.speccache/kv"
+    store: str = DEFAULT_STORE
     draft: str | None = None             # None: the target scores itself (HF copy of the same weights)
     method: str = ReuseConfig.method
-    recompute_ratio: float | str = 0.15      # or "auto"
+    recompute_ratio: float | str = ReuseConfig.recompute_ratio      # or "auto"
     reuse: dict = field(default_factory=dict)
     sink: str = "bos"
     fill_misses: bool = True             # store the KV of hinted chunks that missed, for the next request

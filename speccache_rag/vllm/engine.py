@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import SINK_POLICIES, GenerationConfig, ReuseConfig
+from ..config import DEFAULT_STORE, SINK_POLICIES, GenerationConfig, ReuseConfig
 from ..output import GenerationOutput, GenerationStats, GenerationStream, StreamingEngine
 from ..hardware import dtype_name
 from ..kv import chunk_key
@@ -53,9 +53,9 @@ class VllmSpecCacheEngine(StreamingEngine):
 
     backend = "vllm"
 
-    def __init__(self, target: str, draft: str | None = None, store: KVStore | str = "./.speccache/kv",
+    def __init__(self, target: str, draft: str | None = None, store: KVStore | str = DEFAULT_STORE,
                  dtype: torch.dtype | str = "auto", sink: str = "bos", fill_misses: bool = True,
-                 method: str = ReuseConfig.method, recompute_ratio: float | str = 0.15, max_model_len: int | None = None,
+                 method: str = ReuseConfig.method, recompute_ratio: float | str = ReuseConfig.recompute_ratio, max_model_len: int | None = None,
                  kv_cache_gib: int | None = None, enforce_eager: bool = True, name: str | None = None,
                  connector_options: dict | None = None, **engine_kwargs):
         require_vllm()

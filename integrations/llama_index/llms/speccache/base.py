@@ -22,6 +22,7 @@ from llama_index.core.llms.llm import LLM
 
 from llama_index.llms.speccache.hints import RetrievalHints
 from speccache_rag import GenerationOutput, GenerationStats, OffloadConfig, ReuseConfig, SpecCacheEngine
+from speccache_rag.config import DEFAULT_STORE
 from speccache_rag.matching import agenerate_text, astream_text, generate_text, stream_text
 
 _ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant"}
@@ -81,7 +82,7 @@ class SpecCacheLLM(LLM):
                                   "(remote mode: the served model name; alias `model`).")
     draft: Optional[str] = Field(default=None,
                                  description="Draft model that scores tokens; None scores with the target.")
-    store: Any = Field(default="./.speccache/kv",
+    store: Any = Field(default=DEFAULT_STORE,
                        description="KV store: a directory, 'memory://', 'redis://host:port/db' or a KVStore.")
     backend: str = Field(default="torch", description="Engine backend: 'torch' or 'vllm'.")
     dtype: str = Field(default="auto", description="Compute dtype: auto (bfloat16 where the hardware computes it "
@@ -90,7 +91,7 @@ class SpecCacheLLM(LLM):
     method: str = Field(default=ReuseConfig().method,
                         description="Reuse method: qattn, speccache, norm, cacheblend, epic, reuse, full …")
     recompute_ratio: Union[float, Literal["auto"]] = Field(
-        default=0.15,
+        default=ReuseConfig.recompute_ratio,
         description="Share of reused chunk tokens recomputed; 'auto': chosen per prompt (ReuseConfig.auto_range).")
     offload: Union[str, OffloadConfig, None] = Field(
         default=None, description="Offloaded decoding (SpeCache), torch backend: '2bit', '1bit' or an OffloadConfig — "
