@@ -40,7 +40,7 @@ class ReuseConfig:
     qattn_heads: str = "mean"           # qattn: "mean" or "max" over heads
     qattn_sink: int = 0                 # qattn: the first k tokens of every chunk are chosen first
     qattn_rounds: int = 1               # qattn: the budget in n parts, each re-scored over the repaired KV
-    neighbors: str = "retrieved"        # which stored variant of a chunk to read (neighbors.py)
+    neighbors: str = "preceding"        # which stored variant of a chunk to read (neighbors.py)
     seed: int = 0                       # for "random"
 
     def __post_init__(self):
