@@ -10,9 +10,9 @@ from speccache_rag.models import load_tokenizer
 from speccache_rag.prompt import render, sink_token_ids, tokenize_piece
 from speccache_rag.runner import KVCache, full_prefill
 from speccache_rag.selection import Selection, adaptive_budget, budget_for
-from speccache_rag.selection.draft_attention import draft_question_rows
-from speccache_rag.selection.draft_deviation import deviation_scores
-from speccache_rag.selection.question_attention import question_rows
+from speccache_rag.selection.speccache import draft_question_rows
+from speccache_rag.selection.deviation import deviation_scores
+from speccache_rag.selection.qattn import question_rows
 
 CHUNKS = [
     "Zorblat Industries was founded in 1987 by Mira Quell in the town of Vessendorf.",
@@ -188,7 +188,7 @@ def test_deviation_reads_chunks_alone_under_the_engines_sink_policy(smollm2):
 def test_qattn_chunk_sinks_stay_inside_their_chunk_and_leave_the_probe_alone():
     """``qattn_sink`` boosts each chunk's first k tokens, never the tokens after a chunk shorter than k, and
     scoring does not rewrite the probe's accumulated attention."""
-    from speccache_rag.selection.question_attention import QuestionAttention, qattn_scores
+    from speccache_rag.selection.qattn import QuestionAttention, qattn_scores
 
     tok = load_tokenizer("smollm2-135m")
     tokens = render(RAGPrompt(chunks=["Short.", *CHUNKS], question=QUESTION), tok)

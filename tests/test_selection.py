@@ -6,8 +6,8 @@ from speccache_rag.models import load_tokenizer
 from speccache_rag.prompt import render, retokenize, segments_from_spans
 from speccache_rag.selection import SELECTORS, Selection, budget_for, top_positions
 from speccache_rag.selection.static import epic_select, random_select
-from speccache_rag.selection.speculative import (expand, map_to_target, select_by_draft_scores, span_ids,
-                                                 speculative_select)
+from speccache_rag.selection.draft_spans import expand, map_to_target, select_by_draft_scores, span_ids
+from speccache_rag.selection.norm import norm_select
 
 CHUNKS = [
     "Kettlewright Quorvane measured 3.75 kilograms; its hallmark reads QX-17/β and was stamped in Vessendorf.",
@@ -156,7 +156,7 @@ def test_draft_selection_follows_scores_within_budget(two_tokenizers):
 
 
 def test_question_rows_are_everything_after_the_last_chunk(two_tokenizers):
-    from speccache_rag.selection.question_attention import question_rows
+    from speccache_rag.selection.qattn import question_rows
 
     question = "Who built the chronometer's escapement?"
     for tok in two_tokenizers:
@@ -171,7 +171,7 @@ def test_question_rows_are_everything_after_the_last_chunk(two_tokenizers):
 
 
 def test_question_attention_needs_chunks(two_tokenizers):
-    from speccache_rag.selection.question_attention import question_rows
+    from speccache_rag.selection.qattn import question_rows
 
     tokens = render(RAGPrompt(question="What?"), two_tokenizers[0])
     sel = _selection(tokens, 0.15)
@@ -180,7 +180,7 @@ def test_question_attention_needs_chunks(two_tokenizers):
 
 
 def test_question_attention_probe_scores_what_the_rows_attend():
-    from speccache_rag.selection.question_attention import QuestionAttention, pool, scored_layers
+    from speccache_rag.selection.qattn import QuestionAttention, pool, scored_layers
 
     assert list(scored_layers(24, (0.5, 1.0))) == list(range(12, 24))
     assert list(scored_layers(24, (0.99, 1.0))) == [23]
@@ -244,8 +244,8 @@ def test_draft_selection_without_the_rag_prompt_equals_the_selection_with_it():
     rebuilt = segments_from_spans(tok, tokens.token_ids, [(s.start, s.end) for s in tokens.chunk_segments()])
     with_prompt = Selection(tokens, reusable, budget, reuse, prompt=prompt, draft=HFLayers(draft), draft_tokenizer=tok)
     without = Selection(rebuilt, reusable, budget, reuse, draft=HFLayers(draft), draft_tokenizer=tok)
-    got = speculative_select(without)
-    assert got.tolist() == speculative_select(with_prompt).tolist()
+    got = norm_select(without)
+    assert got.tolist() == norm_select(with_prompt).tolist()
     assert len(got) == budget
 
 

@@ -15,7 +15,7 @@ import torch
 
 from ..prompt import TokenizedPrompt
 from ..selection.base import deep_layer_norms
-from ..selection.speculative import map_to_target
+from ..selection.draft_spans import map_to_target
 from .metrics import jaccard
 
 

@@ -26,7 +26,7 @@ from ..runner import full_prefill
 from ..selection import Selection, hidden_states
 from ..selection.base import deep_layer_norms
 from ..selection.registry import recompute_picked
-from ..selection.speculative import select_by_draft
+from ..selection.draft_spans import select_by_draft
 
 FAMILIES = ("epic", "cacheblend", "speccache", "norm", "qattn", "random", "oracle", "static", "deviation")
 DRAFT_FAMILIES = ("speccache", "norm", "static", "deviation")

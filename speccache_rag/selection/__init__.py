@@ -6,7 +6,7 @@ store misses) are always recomputed. ``SELECTORS[method]`` runs one.
 """
 from .base import Selection, adaptive_budget, budget_for, hidden_states, top_positions
 from .registry import SELECTORS, blend_selector, position_selector
-from . import cacheblend, draft_attention, draft_deviation, oracle, question_attention, speculative, static  # noqa: F401  (they register)
+from . import cacheblend, deviation, norm, oracle, qattn, speccache, static  # noqa: F401  (they register)
 
 __all__ = ["SELECTORS", "Selection", "adaptive_budget", "blend_selector", "budget_for", "hidden_states", "position_selector",
            "top_positions"]

@@ -1,10 +1,10 @@
-"""The paper's selection (method ``norm``): score with the draft's deep-layer norms, expand to spans, map to
-the target. Steps 2 and 3 (``select_by_draft_scores``) serve every draft scorer (``speccache`` too).
+"""Steps 2 and 3 of the paper's selection, shared by every draft scorer (``norm``, ``speccache``, ``deviation``):
+widen the draft's top tokens to spans, spend the budget, map draft tokens to the target's.
 
 The draft reads the prompt through its own chat template and tokenizer; tokens meet the target's
-by character offsets inside the chunk text they both contain, so any tokenizer pair works. Steps 2
-and 3 are tensor operations over all chunk tokens at once: at a few thousand tokens they cost
-milliseconds, next to the draft's forward pass.
+by character offsets inside the chunk text they both contain, so any tokenizer pair works. Both steps
+are tensor operations over all chunk tokens at once: at a few thousand tokens they cost milliseconds,
+next to the draft's forward pass.
 """
 from __future__ import annotations
 
@@ -14,14 +14,7 @@ from collections.abc import Callable
 import torch
 
 from ..prompt import TokenizedPrompt
-from .base import Selection, adaptive_budget, budget_for, deep_layer_norms, hidden_states
-from .registry import position_selector
-
-
-def score(draft, draft_tokens: TokenizedPrompt, fraction: float, states=hidden_states) -> torch.Tensor:
-    """Step 1: importance of every draft token = mean deep-layer residual norm (pre-final-norm) → [Nd]."""
-    capture = states(draft, draft_tokens.ids)
-    return deep_layer_norms(capture, draft.num_layers, fraction).float()
+from .base import Selection, adaptive_budget, budget_for
 
 
 def span_ids(scores: torch.Tensor, candidates: torch.Tensor, chunk_start: torch.Tensor, tau_smooth: float,
@@ -88,13 +81,6 @@ def map_to_target(draft_tokens: TokenizedPrompt, target_tokens: TokenizedPrompt)
     if not pairs_d:
         return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
     return torch.cat(pairs_d), torch.cat(pairs_t)
-
-
-@position_selector("norm")
-def speculative_select(sel: Selection, ops=None) -> torch.Tensor:
-    """The paper's method: the draft reads the whole prompt; its deep-layer norms choose the tokens."""
-    return select_by_draft(sel, lambda draft_tokens: score(sel.draft, draft_tokens, sel.config.draft_layers,
-                                                           sel.hidden_states))
 
 
 def select_by_draft(sel: Selection, scorer: Callable[[TokenizedPrompt], torch.Tensor]) -> torch.Tensor:

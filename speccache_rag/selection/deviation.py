@@ -15,7 +15,7 @@ import torch
 from ..prompt import TokenizedPrompt, sink_token_ids
 from .base import Selection, deep_layers
 from .registry import position_selector
-from .speculative import select_by_draft
+from .draft_spans import select_by_draft
 
 
 @torch.inference_mode()

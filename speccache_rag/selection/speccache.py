@@ -4,7 +4,7 @@ The draft sees across chunks, as the target would in a full prefill. In its deep
 ``qattn_layers`` span as the target's qattn), the rows after the last chunk — the question and the
 template suffix — attend over the prompt; their attention (float32, those rows only) scores every
 draft token. Then the paper's steps 2 and 3: spans, budget, character map to the target's tokens.
-This is ``speccache``; the paper's deep-layer norm scorer is ``norm`` (``speculative.py``).
+This is ``speccache``; the paper's deep-layer norm scorer is ``norm`` (``norm.py``); both share ``draft_spans.py``.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 from ..prompt import TokenizedPrompt
 from ..runner import full_prefill
 from .base import Selection
-from .question_attention import QuestionAttention, pool, question_start, scored_layers
+from .qattn import QuestionAttention, pool, question_start, scored_layers
 from .registry import position_selector
-from .speculative import select_by_draft
+from .draft_spans import select_by_draft
 
 
 def draft_question_rows(draft_tokens: TokenizedPrompt) -> torch.Tensor:
