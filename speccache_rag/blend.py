@@ -57,6 +57,16 @@ class Blender:
             entry.meta.update(context_ids=list(context_ids), context=list(context))
         return entry
 
+    def ensure_stored(self, token_ids: list[int], text: str, context_ids: list[int] = (),
+                      context: list[str] = ()) -> tuple[str, bool]:
+        """The one ingestion path: the chunk's key (covering ``context_ids`` for a variant), its KV computed and
+        stored unless the store holds it → (key, whether it was new)."""
+        key = chunk_key(self.fingerprint, token_ids, context_ids)
+        if self.store.contains(key):
+            return key, False
+        self.store.put(self.chunk_kv(token_ids, key, text, context_ids, context))
+        return key, True
+
     def load(self, tokens: TokenizedPrompt, cache: KVCache, stats: GenerationStats,
              keys: dict[int, str] | None = None, neighbors: str = "off") -> tuple[torch.Tensor, list[Segment]]:
         """Put every stored chunk's KV, rotated to its true positions, into ``cache`` → (reusable [N], missed).
@@ -122,11 +132,7 @@ class Blender:
         """Compute each missed chunk alone and store it, so the next prompt finds it."""
         t = time.perf_counter()
         for seg in missed:
-            ids = tokens.token_ids[seg.start:seg.end]
-            key = chunk_key(self.fingerprint, ids)
-            if not self.store.contains(key):
-                self.store.put(self.chunk_kv(ids, key, seg.text))
-                stats.stored_chunks += 1
+            stats.stored_chunks += self.ensure_stored(tokens.token_ids[seg.start:seg.end], seg.text)[1]
         stats.fill_s += time.perf_counter() - t
 
 

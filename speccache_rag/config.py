@@ -11,7 +11,7 @@ DRAFT_METHODS = ("speccache", "norm", "deviation")   # the methods that run the 
 AUTO_METHODS = ("qattn", "speccache", "cacheblend")
 SINK_POLICIES = ("bos", "prefix", "none")
 SPAN_RULES = ("smooth", "none")
-NEIGHBOR_POLICIES = ("preceding", "retrieved", "nearest", "off")   # chunk variants with ingestion-time context (neighbors.py)
+NEIGHBOR_POLICIES = ("preceding", "unseen", "retrieved", "nearest", "off")   # chunk variants with ingestion-time context (neighbors.py)
 
 
 @dataclass(frozen=True)

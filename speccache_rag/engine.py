@@ -102,9 +102,7 @@ class SpecCacheEngine(StreamingEngine):
             if not isinstance(text, str) or not text.strip():
                 raise ValueError("cannot precompute an empty chunk")
             ids, _ = tokenize_piece(self.tokenizer, text)
-            key = chunk_key(self.fingerprint, ids)
-            if not self.store.contains(key):
-                self.store.put(self.chunk_kv(ids, key, text))
+            key, _ = self.blender.ensure_stored(ids, text)
             if context is not None and context[i]:
                 self._precompute_variant(ids, key, text, list(context[i]))
             keys.append(key)
@@ -117,10 +115,8 @@ class SpecCacheEngine(StreamingEngine):
         if len(ctx_ids) + len(ids) + len(self.blender.sink_ids) > self.context_window:
             raise ValueError(f"a chunk of {len(ids)} tokens after {len(ctx_ids)} tokens of context exceeds the "
                              f"context window of {self.context_window} tokens; pass fewer neighbours")
-        vkey = chunk_key(self.fingerprint, ids, ctx_ids)
         ctx_keys = [chunk_key(self.fingerprint, tokenize_piece(self.tokenizer, c)[0]) for c in context]
-        if not self.store.contains(vkey):
-            self.store.put(self.blender.chunk_kv(ids, vkey, text, ctx_ids, ctx_keys))
+        vkey, _ = self.blender.ensure_stored(ids, text, ctx_ids, ctx_keys)
         neighbors.register(self.store, key, vkey, ctx_keys)
 
     def chunk_kv(self, token_ids: list[int], key: str, text: str) -> ChunkKV:

@@ -81,14 +81,12 @@ def failing_methods(blender, tokenizer) -> list[str]:
 def probe(blender, tokenizer) -> Callable[[str, float], tuple[torch.Tensor | None, KVCache]]:
     """``run(method, ratio)``: the built-in prompt blended by ``blender``'s pipeline over a private store that
     holds its chunks (the gate's check, and the engine's warm-up)."""
-    from .kv import chunk_key
     from .store import MemoryStore
 
     private = copy.copy(blender)
     private.store = MemoryStore()
     for text in CHUNKS:
-        ids, _ = tokenize_piece(tokenizer, text)
-        private.store.put(private.chunk_kv(ids, chunk_key(blender.fingerprint, ids), text))
+        private.ensure_stored(tokenize_piece(tokenizer, text)[0], text)
     prompt = RAGPrompt(chunks=list(CHUNKS), question=QUESTION)
     tokens = render(prompt, tokenizer)
 

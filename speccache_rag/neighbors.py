@@ -64,6 +64,10 @@ def choose(store: KVStore, plain_key: str, before: list[str], retrieved: set[str
         ahead = set(before)
         fits = [v for v in found if set(v["context"]) <= ahead]
         return max(fits, key=lambda v: len(v["context"]))["key"] if fits else None
+    if policy == "unseen":
+        later = retrieved - set(before)
+        fits = [v for v in found if not later.intersection(v["context"]) and set(before).intersection(v["context"])]
+        return max(fits, key=lambda v: len(set(before).intersection(v["context"])))["key"] if fits else None
     overlap = [len(retrieved.intersection(v["context"])) for v in found]
     best = max(range(len(found)), key=overlap.__getitem__)
     if overlap[best] or policy == "nearest":

@@ -52,7 +52,6 @@ class ChunkKVWorker:
                                                       gate=False, warm_up=False)
 
     def __call__(self, batch: dict) -> dict:
-        from .kv import chunk_key
         from .prompt import tokenize_piece
 
         e = self.engine
@@ -60,12 +59,8 @@ class ChunkKVWorker:
         for text in batch["text"]:
             key, status, error = "", "failed", ""
             try:
-                ids, _ = tokenize_piece(e.tokenizer, str(text))
-                key = chunk_key(e.fingerprint, ids)
-                status = "skipped"
-                if not e.store.contains(key):
-                    e.store.put(e.chunk_kv(ids, key, str(text)))
-                    status = "new"
+                key, new = e.blender.ensure_stored(tokenize_piece(e.tokenizer, str(text))[0], str(text))
+                status = "new" if new else "skipped"
             except Exception as exc:  # one bad chunk must not sink the job: it is counted and reported
                 error = f"{type(exc).__name__}: {exc}"
             keys.append(key)
