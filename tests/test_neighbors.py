@@ -41,6 +41,9 @@ def test_choose_by_policy():
     assert choose(store, "p" * 8, ["c"], {"a", "c"}, "preceding") == "v2"
     assert choose(store, "p" * 8, ["b", "c", "a"], {"a", "b", "c"}, "preceding") == "v1"
     assert choose(store, "p" * 8, ["a"], {"a", "b", "c"}, "preceding") is None
+    # unseen: no context chunk after it in the prompt, at least one ahead (absent ones allowed)
+    assert choose(store, "p" * 8, ["a"], {"a", "c"}, "unseen") == "v1"
+    assert choose(store, "p" * 8, ["a"], {"a", "b", "c"}, "unseen") is None
     assert choose(store, "p" * 8, [], {"c", "x"}, "retrieved") == "v2"
     assert choose(store, "p" * 8, [], {"a", "b", "c"}, "retrieved") == "v1"
     assert choose(store, "p" * 8, [], {"x"}, "retrieved") is None
