@@ -11,6 +11,7 @@ import torch
 from .config import DEFAULT_STORE, SINK_POLICIES, GenerationConfig, OffloadConfig, ReuseConfig
 from .hardware import configure_threads, dtype_name, resolve_dtype
 from .blend import Blender
+from .engines import engine_class
 from . import neighbors
 from .kv import ChunkKV, chunk_key, model_fingerprint
 from .layers import HFLayers
@@ -68,12 +69,10 @@ class SpecCacheEngine(StreamingEngine):
         threads: torch intra-op threads (default: $SPECCACHE_THREADS, $OMP_NUM_THREADS, or the usable cores)."""
         configure_threads(threads)
         dtype = resolve_dtype(dtype)
-        if backend == "vllm":
-            from .vllm.engine import VllmSpecCacheEngine  # lazy: vllm is an optional extra
-
-            return VllmSpecCacheEngine(target, draft=draft, store=store, dtype=dtype, name=target, **kwargs)
-        if backend != "torch":
-            raise ValueError(f"unknown backend {backend!r}: choose 'torch' or 'vllm'")
+        if backend != "torch":    # by name (engines.BACKENDS): vllm is an optional extra above this module
+            if backend == "remote":
+                raise ValueError("a remote engine is opened by engines.open_engine(target, base_url=...)")
+            return engine_class(backend)(target, draft=draft, store=store, dtype=dtype, name=target, **kwargs)
         from .models import load
 
         t = time.perf_counter()

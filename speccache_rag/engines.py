@@ -1,0 +1,50 @@
+"""One factory for every engine: ``open_engine(target, backend=...)`` → torch, vLLM or remote.
+
+Backends are named here by import path, not imported: the torch engine, the vLLM engine and the remote client
+sit above this module, and ``SpecCacheEngine.from_pretrained(backend=...)`` reaches the others through it
+without an import arrow running back up (vLLM and the openai client stay optional extras).
+"""
+from __future__ import annotations
+
+import importlib
+
+from .config import DEFAULT_STORE
+
+BACKENDS = {
+    "torch": "speccache_rag.engine:SpecCacheEngine",
+    "vllm": "speccache_rag.vllm.engine:VllmSpecCacheEngine",
+    "remote": "speccache_rag.remote:RemoteEngine",
+}
+
+
+def engine_class(backend: str) -> type:
+    """The engine class a backend name stands for."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    module, _, name = BACKENDS[backend].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def open_engine(target: str | None, draft: str | None = None, store=None, backend: str | None = None,
+                dtype="auto", threads: int | None = None, base_url: str | None = None, api_key: str | None = None,
+                timeout: float = 600.0, max_retries: int = 2, **engine_kwargs):
+    """An engine from the arguments every caller has: the CLI, both drop-ins, user code.
+
+    backend: "torch" (default), "vllm" (in-process vLLM) or "remote" (a SpecCache ``vllm serve`` at
+    ``base_url``; a ``base_url`` alone implies it). target: a packaged name, an HF directory or a .gguf file —
+    for remote, the served model's name (None: the server's first). The remote engine computes nothing
+    here: draft, dtype and threads are the server's, and ``store`` (optional) is its shared store, read for
+    its chunk-text index. store: a directory, "memory://" or "redis://…" (default ``config.DEFAULT_STORE``
+    for the local backends)."""
+    backend = backend or ("remote" if base_url else "torch")
+    if backend == "remote":
+        if not base_url:
+            raise ValueError("backend='remote' needs base_url, e.g. http://localhost:8000/v1")
+        return engine_class("remote")(base_url, model=target, api_key=api_key, store=store, timeout=timeout,
+                                      max_retries=max_retries)
+    if base_url:
+        raise ValueError(f"base_url is for backend='remote', not {backend!r}")
+    if not target:
+        raise ValueError("name a target model: a packaged name (speccache-rag models), an HF directory or a .gguf")
+    return engine_class("torch").from_pretrained(target, draft=draft, store=store or DEFAULT_STORE, backend=backend,
+                                                 dtype=dtype, threads=threads, **engine_kwargs)
