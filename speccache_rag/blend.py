@@ -44,6 +44,7 @@ class Blender:
                  sink: str = "bos"):
         self.ops, self.store, self.fingerprint, self.sink_ids, self.sink = ops, store, fingerprint, sink_ids, sink
         self.draft, self.hidden_states, self.selector = draft, hidden_states, selector
+        self.gate_failed: list[str] = []    # set by gate.run: then every request is served by full prefill
 
     @torch.inference_mode()
     def chunk_kv(self, token_ids: list[int], key: str, text: str, context_ids: list[int] = (),
@@ -104,8 +105,11 @@ class Blender:
     @torch.inference_mode()
     def blend(self, tokens: TokenizedPrompt, cache: KVCache, reuse: ReuseConfig, stats: GenerationStats,
               prompt: RAGPrompt | None = None, keys: dict[int, str] | None = None) -> Blended:
-        """Fill ``cache`` for every prompt position by ``reuse.method``; statistics go into ``stats``."""
+        """Fill ``cache`` for every prompt position by ``reuse.method`` (full prefill where the model failed
+        the correctness gate); statistics go into ``stats``."""
         n = len(tokens)
+        if self.gate_failed and reuse.method != "full":
+            reuse, stats.method = ReuseConfig(method="full"), "full"
         if reuse.method == "full":
             t = time.perf_counter()
             logits = prefill(self.ops, cache, tokens.ids, torch.arange(n))

@@ -8,7 +8,8 @@ from functools import partial
 
 import torch
 
-from .config import DEFAULT_STORE, SINK_POLICIES, GenerationConfig, OffloadConfig, ReuseConfig
+from .config import DEFAULT_STORE, GenerationConfig, OffloadConfig, ReuseConfig
+from .contract import Engine, check_sink, chunk_texts
 from .hardware import configure_threads, dtype_name, resolve_dtype
 from .blend import Blender
 from .engines import engine_class
@@ -16,7 +17,7 @@ from . import neighbors
 from .kv import ChunkKV, chunk_key, model_fingerprint
 from .layers import HFLayers
 from .offload import OffloadDecoder
-from .output import GenerationOutput, GenerationStats, GenerationStream, LoadStats, StreamingEngine
+from .output import GenerationOutput, GenerationStats, GenerationStream, LoadStats
 from .prompt import RAGPrompt, TokenizedPrompt, render, sink_token_ids, tokenize_piece
 from .runner import KVCache, decode_one
 from .sampling import StopTextBuffer, sample
@@ -24,7 +25,7 @@ from .selection import SELECTORS, hidden_states
 from .store import KVStore, open_store
 
 
-class SpecCacheEngine(StreamingEngine):
+class SpecCacheEngine(Engine):
     """Reuses per-chunk KV caches for RAG prompts and repairs them by recomputing chosen tokens.
 
     Build it with :meth:`from_pretrained`; call :meth:`precompute` at ingestion and
@@ -36,8 +37,7 @@ class SpecCacheEngine(StreamingEngine):
     def __init__(self, target, tokenizer, store: KVStore | str = "memory://", draft=None, draft_tokenizer=None,
                  sink: str = "bos", fill_misses: bool = True, name: str | None = None, gate: bool = True,
                  warm_up: bool = True):
-        if sink not in SINK_POLICIES:
-            raise ValueError(f"sink must be one of {', '.join(SINK_POLICIES)}, got {sink!r}")
+        check_sink(sink)
         self.target, self.tokenizer, self.ops = target, tokenizer, HFLayers(target)
         self.draft, self.draft_tokenizer = (draft, draft_tokenizer) if draft is not None else (target, tokenizer)
         self.draft_ops = HFLayers(draft) if draft is not None else self.ops
@@ -93,14 +93,13 @@ class SpecCacheEngine(StreamingEngine):
         entry; queries that retrieve those neighbours too read the variant (``ReuseConfig.neighbors``)."""
         from tqdm.auto import tqdm
 
-        texts = list(texts)
+        texts = chunk_texts(texts)
         if context is not None and len(context) != len(texts):
             raise ValueError(f"context has {len(context)} entries for {len(texts)} texts: give one list per text")
         keys = []
         for i, text in enumerate(tqdm(texts, desc="precompute KV", unit="chunk", disable=not progress)):
-            if not isinstance(text, str) or not text.strip():
-                raise ValueError("cannot precompute an empty chunk")
             ids, _ = tokenize_piece(self.tokenizer, text)
+            self.check_chunk_fits(len(ids), len(self.blender.sink_ids))
             key, _ = self.blender.ensure_stored(ids, text)
             if context is not None and context[i]:
                 self._precompute_variant(ids, key, text, list(context[i]))
@@ -123,11 +122,6 @@ class SpecCacheEngine(StreamingEngine):
         return self.blender.chunk_kv(token_ids, key, text)
 
     # ---- query ----------------------------------------------------------------------------------
-    def generate_many(self, prompts: Iterable[RAGPrompt], max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
-                      **kwargs) -> list[GenerationOutput]:
-        """``generate`` for each prompt, in order (the torch engine computes one prompt at a time)."""
-        return [self.generate(p, max_new_tokens, reuse, **kwargs) for p in prompts]
-
     def stream(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                temperature: float = 0.0, top_p: float = 1.0, stop: Iterable[str] | str | None = None,
                seed: int | None = None, return_first_logits: bool = False,
@@ -139,18 +133,12 @@ class SpecCacheEngine(StreamingEngine):
         the caller abandons the stream, so the next request finds them. ``offload`` ("2bit", "1bit" or an
         :class:`OffloadConfig`) decodes over SpeCache's two-tier KV after the (blended) prefill."""
         start = time.perf_counter()
-        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        gen = GenerationConfig(max_new_tokens, temperature, top_p, stop, seed)
-        reuse = self._gated(reuse or ReuseConfig())
-        offload = OffloadConfig.parse(offload)
-        if not isinstance(prompt, RAGPrompt):
-            raise TypeError(f"prompt must be a RAGPrompt, got {type(prompt).__name__}")
-        tokens = render(prompt, self.tokenizer)
-        if len(tokens) + gen.max_new_tokens > self.context_window:
-            raise ValueError(f"prompt of {len(tokens)} tokens + max_new_tokens={gen.max_new_tokens} exceeds the "
-                             f"context window of {self.context_window} tokens; retrieve fewer or shorter chunks")
+        req = self.request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits, offload)
+        tokens = render(req.prompt, self.tokenizer)
+        self.check_fits(len(tokens), req.gen.max_new_tokens)
         stream = GenerationStream()
-        stream._pieces = self._run(stream, prompt, tokens, gen, reuse, return_first_logits, start, offload)
+        stream._pieces = self._run(stream, req.prompt, tokens, req.gen, req.reuse or ReuseConfig(),
+                                   return_first_logits, start, req.offload)
         return stream
 
     def _run(self, stream: "GenerationStream", prompt: RAGPrompt, tokens: TokenizedPrompt, gen: GenerationConfig,
@@ -217,17 +205,11 @@ class SpecCacheEngine(StreamingEngine):
         """The correctness gate (``gate.py``) for this model and store: read from the store, else run now."""
         from . import gate
 
-        t = time.perf_counter()
-        failed = gate.remembered(self.store, self.fingerprint, "torch")
-        from_store = failed is not None
-        if failed is None:
-            failed = gate.check(self.store, self.blender, self.tokenizer, "torch", self.name)
-        self.load_stats.gate_s = time.perf_counter() - t
-        self.load_stats.gate_methods, self.load_stats.gate_failed = len(gate.CHECKED), failed
-        self.load_stats.gate_from_store = from_store
-        if failed:
-            warnings.warn(f"{self.name}: methods {', '.join(failed)} do not reproduce full prefill at "
-                          "recompute_ratio=1 on the built-in check; serving full prefill only", stacklevel=3)
+        verdict = gate.run(self.blender, self.tokenizer, "torch", self.name)
+        self.load_stats.gate_s, self.load_stats.gate_from_store = verdict.seconds, verdict.from_store
+        self.load_stats.gate_methods, self.load_stats.gate_failed = len(gate.CHECKED), verdict.failed
+        if verdict.failed:
+            warnings.warn(verdict.warning(self.name), stacklevel=3)
 
     def _warm_up(self) -> None:
         """The built-in prompt through the default method (and the draft's, with a draft): first-call kernel
@@ -240,10 +222,6 @@ class SpecCacheEngine(StreamingEngine):
             for method in ("full", ReuseConfig().method) + (("speccache",) if self.draft is not self.target else ()):
                 run(method, ReuseConfig().recompute_ratio)
         self.load_stats.warmup_s = time.perf_counter() - t
-
-    def _gated(self, reuse: ReuseConfig) -> ReuseConfig:
-        """``reuse``, or full prefill if this model failed the correctness gate."""
-        return ReuseConfig(method="full") if self.load_stats.gate_failed and reuse.method != "full" else reuse
 
     def selector(self, method: str):
         """The blend that ``method`` names (``selection.SELECTORS``)."""

@@ -11,7 +11,9 @@ full prefill only.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -36,11 +38,26 @@ def meta_name(fingerprint: str, backend: str = "torch") -> str:
     return f"gate-v{GATE_VERSION}-{backend}-{fingerprint[:40]}"
 
 
-def verdict(store, blender, tokenizer, backend: str, model: str) -> list[str]:
-    """The methods that failed the gate for ``blender``'s model on this engine type: remembered in
-    ``store``, else checked now and remembered. A verdict that predates a method is checked again."""
-    known = remembered(store, blender.fingerprint, backend)
-    return known if known is not None else check(store, blender, tokenizer, backend, model)
+@dataclass
+class Verdict:
+    failed: list[str]           # methods that did not reproduce full prefill
+    from_store: bool            # read, not checked
+    seconds: float
+
+    def warning(self, model: str) -> str:
+        return (f"{model}: methods {', '.join(self.failed)} do not reproduce full prefill at recompute_ratio=1 on "
+                "the built-in check; serving full prefill only")
+
+
+def run(blender, tokenizer, backend: str, model: str) -> Verdict:
+    """The gate for ``blender``'s model on this engine type, applied to it (``Blender.gate_failed``): the
+    verdict its store remembers, else checked now and remembered. A verdict that predates a method is
+    checked again. Both engines call this once, when they are built."""
+    t = time.perf_counter()
+    known = remembered(blender.store, blender.fingerprint, backend)
+    failed = known if known is not None else check(blender.store, blender, tokenizer, backend, model)
+    blender.gate_failed = failed
+    return Verdict(failed, known is not None, time.perf_counter() - t)
 
 
 def check(store, blender, tokenizer, backend: str, model: str) -> list[str]:
@@ -84,7 +101,7 @@ def probe(blender, tokenizer) -> Callable[[str, float], tuple[torch.Tensor | Non
     from .store import MemoryStore
 
     private = copy.copy(blender)
-    private.store = MemoryStore()
+    private.store, private.gate_failed = MemoryStore(), []      # the methods themselves, whatever the verdict
     for text in CHUNKS:
         private.ensure_stored(tokenize_piece(tokenizer, text)[0], text)
     prompt = RAGPrompt(chunks=list(CHUNKS), question=QUESTION)

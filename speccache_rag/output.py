@@ -1,7 +1,7 @@
 """What one generation returns, the same for both engines: text, token ids, statistics."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -120,16 +120,3 @@ class GenerationStream(Iterator[str]):
         close = getattr(self._pieces, "close", None)
         if close is not None:
             close()
-
-
-class StreamingEngine:
-    """What both engines share above ``stream`` (each engine's own): ``generate`` is a stream read to its end."""
-
-    def generate(self, prompt, max_new_tokens: int = 64, reuse=None, temperature: float = 0.0, top_p: float = 1.0,
-                 stop: Iterable[str] | str | None = None, seed: int | None = None,
-                 return_first_logits: bool = False, offload=None) -> GenerationOutput:
-        stream = self.stream(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits,
-                             offload=offload)
-        for _ in stream:
-            pass
-        return stream.output

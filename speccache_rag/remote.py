@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 import weakref
 from collections.abc import AsyncIterator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -31,11 +30,12 @@ from dataclasses import dataclass, field
 from .config import ReuseConfig
 from .kv import chunk_key
 from .matching import chunk_index
-from .output import GenerationOutput, GenerationStats, GenerationStream, StreamingEngine
+from .contract import Engine, chunk_texts
+from .output import GenerationOutput, GenerationStats, GenerationStream
 from .prompt import RAGPrompt
+from . import wire
 
 logger = logging.getLogger("speccache_rag.remote")
-PARAMS_KEY = "speccache"
 INSTALL_HINT = "remote mode needs the OpenAI client: pip install 'speccache-rag[remote]'"
 PRECOMPUTE_IN_FLIGHT = 8        # one-token precompute requests sent at once (the server batches them)
 
@@ -66,7 +66,7 @@ class ServerUnavailable(ConnectionError):
     """The SpecCache server cannot be reached (or stopped answering)."""
 
 
-class RemoteEngine(StreamingEngine):
+class RemoteEngine(Engine):
     """A SpecCache ``vllm serve`` at ``base_url`` (``http://host:8000/v1``), as an engine.
 
     ``model``: the served model name (None: the server's first); ``store``: optional, the server's
@@ -75,6 +75,8 @@ class RemoteEngine(StreamingEngine):
     """
 
     backend = "remote"
+    offload_note = ("offloaded decoding runs in-process only (backend='torch'); the server decodes with vLLM's own "
+                    "attention (docs/vllm.md)")
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None, store=None,
                  timeout: float = 600.0, max_retries: int = 2):
@@ -154,8 +156,8 @@ class RemoteEngine(StreamingEngine):
         keys = list(keys)
         resp = self._call(self.client.completions.create, model=self.name, prompt="info", max_tokens=1,
                           temperature=0.0,
-                          extra_body={"kv_transfer_params": {PARAMS_KEY: {"op": "info", "keys": keys}}})
-        info = ((resp.model_extra or {}).get("kv_transfer_params") or {}).get(PARAMS_KEY)
+                          extra_body=wire.wrap(wire.info(keys)))
+        info = wire.read((resp.model_extra or {}).get("kv_transfer_params")) or None
         if info and "error" in info:
             raise RuntimeError(f"the SpecCache connector at {self.base_url} could not answer: {info['error']}")
         if not info or "fingerprint" not in info:
@@ -203,17 +205,12 @@ class RemoteEngine(StreamingEngine):
         ``last_precompute`` says how many were new, already stored, or failed."""
         from tqdm.auto import tqdm
 
-        texts = list(texts)
-        for t in texts:
-            if not isinstance(t, str) or not t.strip():
-                raise ValueError("cannot precompute an empty chunk")
+        texts = chunk_texts(texts)
         sink = self._facts()["sink_ids"]
         with ThreadPoolExecutor(PRECOMPUTE_IN_FLIGHT) as pool:
             ids_of = list(pool.map(self.tokenize, texts))
         for ids in ids_of:
-            if len(sink) + len(ids) + 1 > self.context_window:
-                raise ValueError(f"chunk of {len(ids)} tokens exceeds the server's context window "
-                                 f"of {self.context_window}")
+            self.check_chunk_fits(len(ids), len(sink))
         keys = [chunk_key(self.fingerprint, ids) for ids in ids_of]
         todo = dict(zip(keys, ids_of))
         stored = set(self.info(list(todo))["stored"])
@@ -221,9 +218,9 @@ class RemoteEngine(StreamingEngine):
         todo = {k: ids for k, ids in todo.items() if k not in stored}
 
         def one(ids: list[int]) -> None:
-            params = {"op": "precompute", "span": [len(sink), len(sink) + len(ids)], "tag": uuid.uuid4().hex}
+            params = wire.precompute(len(sink), len(sink) + len(ids), wire.new_tag())
             self._call(self.client.completions.create, model=self.name, prompt=sink + ids + ids[-1:], max_tokens=1,
-                       temperature=0.0, extra_body={"kv_transfer_params": {PARAMS_KEY: params}})
+                       temperature=0.0, extra_body=wire.wrap(params))
 
         with tqdm(total=len(todo), desc="precompute KV (server)", unit="chunk", disable=not progress) as bar, \
                 ThreadPoolExecutor(PRECOMPUTE_IN_FLIGHT) as pool:
@@ -247,26 +244,16 @@ class RemoteEngine(StreamingEngine):
     # ---- queries -----------------------------------------------------------------------------------
     def _request(self, prompt: RAGPrompt, max_new_tokens: int, reuse: ReuseConfig | None, temperature: float,
                  top_p: float, stop, seed, return_first_logits: bool, offload) -> tuple[dict, str]:
-        if offload is not None:
-            raise ValueError("offloaded decoding runs in-process only (backend='torch'); the server decodes "
-                             "with vLLM's own attention (docs/vllm.md)")
+        req = self.request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits, offload)
         if return_first_logits:
             raise ValueError("first-token logits are not available from a remote server")
-        if not isinstance(prompt, RAGPrompt):
-            raise TypeError(f"prompt must be a RAGPrompt, got {type(prompt).__name__}")
         index = chunk_index(self)
-        keys = [k for t in prompt.chunks for k in index.keys(t)]
-        params: dict = {"tag": uuid.uuid4().hex}
-        if reuse is not None:
-            params.update(method=reuse.method, recompute_ratio=reuse.recompute_ratio,
-                          reuse={k: v for k, v in vars(reuse).items() if k not in ("method", "recompute_ratio")})
-        if keys:
-            params["chunks"] = keys
-        stop = [stop] if isinstance(stop, str) else list(stop or []) or None
-        body = dict(model=self.name, messages=prompt.messages(prompt.chunks), max_tokens=max_new_tokens,
-                    temperature=temperature, top_p=top_p, stop=stop, seed=seed,
-                    extra_body={"kv_transfer_params": {PARAMS_KEY: params}})
-        return body, (reuse.method if reuse is not None else self._default_method())
+        keys = [k for t in req.prompt.chunks for k in index.keys(t)]
+        gen = req.gen
+        body = dict(model=self.name, messages=req.prompt.messages(req.prompt.chunks), max_tokens=gen.max_new_tokens,
+                    temperature=gen.temperature, top_p=gen.top_p, stop=list(gen.stop) or None, seed=gen.seed,
+                    extra_body=wire.wrap(wire.query(req.reuse, wire.new_tag(), chunks=keys)))
+        return body, (req.reuse.method if req.reuse is not None else self._default_method())
 
     def _default_method(self) -> str:
         return (self._info or {}).get("method", "server default")
@@ -292,7 +279,7 @@ class RemoteEngine(StreamingEngine):
     def _output(self, resp, method: str, start: float) -> GenerationOutput:
         elapsed = time.perf_counter() - start
         choice = resp.choices[0]
-        report = ((resp.model_extra or {}).get("kv_transfer_params") or {}).get(PARAMS_KEY) or {}
+        report = wire.read((resp.model_extra or {}).get("kv_transfer_params"))
         for item in report.get("ignored", ()):
             logger.warning("SpecCache server ignored chunk id %s: %s", str(item.get("key"))[:16], item.get("reason"))
             chunk_index(self).forget(str(item.get("key")))       # not sent again

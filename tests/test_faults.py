@@ -396,10 +396,10 @@ def test_a_gate_verdict_that_predates_a_method_is_checked_again(smollm2, monkeyp
     older = [m for m in gate.CHECKED if m != "deviation"]
     engine.store.put_meta(name, {"failed": [], "checked": older, "model": "smollm2-135m", "backend": "torch"})
     monkeypatch.setattr(gate, "failing_methods", lambda blender, tokenizer: ["deviation"])
-    assert gate.verdict(engine.store, engine.blender, engine.tokenizer, "torch", "smollm2-135m") == ["deviation"]
+    assert gate.run(engine.blender, engine.tokenizer, "torch", "smollm2-135m").failed == ["deviation"]
     assert engine.store.get_meta(name)["checked"] == list(gate.CHECKED)
     monkeypatch.setattr(gate, "failing_methods", lambda blender, tokenizer: pytest.fail("checked twice"))
-    assert gate.verdict(engine.store, engine.blender, engine.tokenizer, "torch", "smollm2-135m") == ["deviation"]
+    assert gate.run(engine.blender, engine.tokenizer, "torch", "smollm2-135m").failed == ["deviation"]
 
 
 def test_a_method_that_fails_the_gate_makes_the_engine_serve_full_prefill_only(smollm2, monkeypatch):

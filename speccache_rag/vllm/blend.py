@@ -10,6 +10,7 @@ import torch
 
 from ..blend import Blender, chunk_entry
 from ..config import ReuseConfig
+from ..gate import Verdict, run as run_gate
 from ..hardware import dtype_name
 from ..kv import chunk_key
 from ..layers import HFLayers
@@ -28,22 +29,15 @@ class PagedBlender:
         self.ops, self.tokenizer, self.fill_misses = VllmLayers(model), tokenizer, fill_misses
         self._draft_loader, self._draft = draft_loader, None
         self.core = Blender(self.ops, store, fingerprint, sink_ids, draft=self.draft, sink=sink)
-        self.gate_failed: list[str] = []          # methods this model failed the correctness gate with
 
-    def check_gate(self, model_name: str) -> list[str]:
-        """Run (or read from the store) the correctness gate over vLLM's modules; → the failed methods.
-        A draft loaded only for the check is let go again."""
-        from ..gate import verdict
-
+    def check_gate(self, model_name: str) -> Verdict:
+        """The correctness gate over vLLM's modules (``gate.run``), applied to the core blender. A draft loaded
+        only for the check is let go again."""
         had_draft = self._draft is not None
-        self.gate_failed = verdict(self.core.store, self.core, self.tokenizer, "vllm", model_name)
+        verdict = run_gate(self.core, self.tokenizer, "vllm", model_name)
         if not had_draft:
             self._draft = None
-        return self.gate_failed
-
-    def gated(self, reuse: ReuseConfig) -> ReuseConfig:
-        """``reuse``, or full prefill where this model failed the gate."""
-        return ReuseConfig(method="full") if self.gate_failed and reuse.method != "full" else reuse
+        return verdict
 
     def draft(self):
         if self._draft is None:
@@ -70,7 +64,6 @@ class PagedBlender:
         (then [start, end) may be a prefix of that entry's tokens). precompute: the request is
         [sink] + chunk + one token, whose chunk KV is stored."""
         tokens, prompt = self.tokens(token_ids, spans, prompt)
-        reuse = self.gated(reuse)
         stats = GenerationStats(method="precompute" if precompute else reuse.method, prompt_tokens=len(tokens),
                                 dtype=dtype_name(self.ops.dtype))
         cache = KVCache.empty(self.ops, len(tokens), keep_pre_rope=precompute)

@@ -21,14 +21,8 @@ recomputes them (``kv_load_failure_policy="recompute"``, which the connector set
 never wrong output. Per-request statistics are logged (``SpecCache: req=… reused=… hits=…``), sent
 back to the scheduler, and returned as the finished request's ``kv_transfer_params["speccache"]``.
 
-Per-request ``kv_transfer_params={"speccache": {...}}`` keys: ``method``, ``recompute_ratio``,
-``reuse`` (other ``ReuseConfig`` fields), ``spans`` ([[start, end], …] chunk token spans), ``chunks``
-([key, …]: store keys of chunks in the prompt, placed where their tokens are — a key that is not
-stored, not this model's, or whose tokens are not in the prompt is ignored with a warning), ``prompt``
-({"system", "chunks", "question"}: lets the draft read the prompt exactly as the torch engine does),
-``tag`` (a name for the statistics), ``op="precompute"`` + ``span`` (store one chunk's KV),
-``op="info"`` (+ ``keys``: which of them are stored) — what remote clients need to know: the model
-fingerprint, the sink tokens, the defaults.
+Per-request parameters and the reports that answer them are the wire protocol, ``speccache_rag/wire.py``;
+one ``_Tracked`` record holds what the scheduler knows of a request until its report is out.
 
 The reused token count is what vLLM reports as the request's cached tokens
 (``usage.prompt_tokens_details.cached_tokens`` with ``--enable-prompt-tokens-details``), not the
@@ -37,7 +31,6 @@ The reused token count is what vLLM reports as the request's cached tokens
 from __future__ import annotations
 
 import math
-import threading
 import uuid
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -52,14 +45,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from ..config import DEFAULT_STORE, DRAFT_METHODS, METHODS, ReuseConfig
+from ..config import DRAFT_METHODS, ReuseConfig
 from ..hardware import dtype_name
 from ..prompt import RAGPrompt, sink_token_ids
-from . import PARAMS_KEY
+from .. import wire
 from .blend import PagedBlender
 from .layers import Unsupported, slot_mapping
 from .lookup import StoredChunkIndex, fingerprint_for, shared_store
-from .plugin import ARCHITECTURES
+from .deployment import Options, unsupported_reason
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -74,82 +67,7 @@ if TYPE_CHECKING:
 # vLLM configures handlers for the "vllm" logger tree only: log under it so INFO lines show.
 logger = init_logger("vllm.speccache")
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-# In-process readers (VllmSpecCacheEngine) find each blended request's statistics here by tag.
-REPORTS: OrderedDict[str, dict] = OrderedDict()
-_REPORTS_MAX = 4096
-_REPORTS_LOCK = threading.Lock()
-
-
-def _publish(tag: str, report: dict) -> None:
-    with _REPORTS_LOCK:
-        REPORTS[tag] = report
-        while len(REPORTS) > _REPORTS_MAX:
-            REPORTS.popitem(last=False)
-
-
-def pop_report(tag: str) -> dict | None:
-    with _REPORTS_LOCK:
-        return REPORTS.pop(tag, None)
-
-
-@dataclass
-class Options:
-    """``kv_connector_extra_config``: the deployment's defaults (requests may override method/ratio/reuse)."""
-
-    store: str = DEFAULT_STORE
-    draft: str | None = None             # None: the target scores itself (HF copy of the same weights)
-    method: str = ReuseConfig.method
-    recompute_ratio: float | str = ReuseConfig.recompute_ratio      # or "auto"
-    reuse: dict = field(default_factory=dict)
-    sink: str = "bos"
-    fill_misses: bool = True             # store the KV of hinted chunks that missed, for the next request
-    lookup: str = "auto"                 # "auto": hints, else token content against the store; "hints": hints only
-    min_chunk_tokens: int = 8            # shortest chunk the content lookup finds
-    max_blends_per_step: int = 0         # 0: every waiting request blends in the same engine step;
-                                         # N: at most N per step (earlier first tokens, same work)
-    gate: bool = True                    # the correctness gate at start-up (gate.py), verdict kept in the store
-
-    @classmethod
-    def from_extra(cls, extra: dict | None) -> "Options":
-        extra = dict(extra or {})
-        unknown = set(extra) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown SpecCache connector options: {', '.join(sorted(unknown))}")
-        opts = cls(**extra)
-        if opts.lookup not in ("auto", "hints"):
-            raise ValueError(f"lookup must be 'auto' or 'hints', got {opts.lookup!r}")
-        if opts.max_blends_per_step < 0:
-            raise ValueError(f"max_blends_per_step must be >= 0, got {opts.max_blends_per_step}")
-        if opts.method != "full":
-            opts.reuse_config(opts.method, opts.recompute_ratio, {})       # validates
-        return opts
-
-    def reuse_config(self, method: str, ratio: float | str, overrides: dict) -> ReuseConfig:
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-        ratio = ratio if ratio == "auto" else float(ratio)
-        fields = {**self.reuse, **(overrides or {}), "method": method, "recompute_ratio": ratio}
-        return ReuseConfig(**fields)
-
-
-def unsupported_reason(vllm_config: "VllmConfig") -> str | None:
-    """Why this deployment cannot blend (then every request is a plain prefill), or None."""
-    mc = vllm_config.model_config
-    hf = mc.hf_text_config if hasattr(mc, "hf_text_config") else mc.hf_config
-    archs = list(getattr(mc, "architectures", None) or getattr(hf, "architectures", None) or [])
-    model_type = getattr(hf, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES or not set(archs) & set(ARCHITECTURES):
-        return (f"architecture {model_type or archs} is not supported by the SpecCache connector "
-                f"(supported: {', '.join(ARCHITECTURES)})")
-    if getattr(hf, "use_sliding_window", False):
-        return "sliding-window attention is not supported"
-    pc = vllm_config.parallel_config
-    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
-        return "tensor/pipeline parallelism is not supported yet"
-    if vllm_config.cache_config.cache_dtype not in ("auto", dtype_name(mc.dtype)):
-        return f"quantized KV cache ({vllm_config.cache_config.cache_dtype}) is not supported"
-    return None
+_TRACKED_MAX = 4096          # finished requests still waiting for their worker report (blends that failed never report)
 
 
 @dataclass
@@ -202,13 +120,9 @@ class SpecCacheConnector(KVConnectorBase_V1):
         self.store, self.store_url = shared_store(self.options.store)
         self._fingerprint: str | None = None
         self._sink_ids: list[int] | None = None
-        # scheduler state
-        self._plans: dict[str, dict] = {}
-        self._pending: dict[str, dict] = {}
-        self._reports: dict[str, dict] = {}
-        self._notes: dict[str, dict] = {}                 # per request: what the response tells the client
-        # per blended request, until its worker report arrives (which may be after it finished)
-        self._prefill_stats: OrderedDict[str, Any] = OrderedDict()
+        # scheduler state: one record per request it planned or answered, until its report is out
+        self._tracked: OrderedDict[str, _Tracked] = OrderedDict()
+        self._claimed: list[str] = []                     # blends claimed since the last connector metadata
         self._index: StoredChunkIndex | None = None
         self._warned: set[str] = set()
         # worker state
@@ -237,24 +151,34 @@ class SpecCacheConnector(KVConnectorBase_V1):
             logger.warning("SpecCache: %s", msg)
 
     # ==== scheduler side ==========================================================================
+    def _track(self, req_id: str) -> "_Tracked":
+        rec = self._tracked.setdefault(req_id, _Tracked())
+        while len(self._tracked) > _TRACKED_MAX:
+            self._tracked.popitem(last=False)
+        return rec
+
     def on_new_request(self, request: "Request") -> None:
-        params = (request.kv_transfer_params or {}).get(PARAMS_KEY) or {}
-        if isinstance(params, dict) and params.get("op") == "info":
+        try:
+            query = wire.parse(wire.read(request.kv_transfer_params), len(request.prompt_token_ids or []))
+        except Exception as e:  # a bad hint or option never fails the request: plain prefill
+            self._warn_once(f"request {request.request_id}: {e}; plain prefill")
+            return
+        if query.op == "info":
             try:
-                self._notes[request.request_id] = self._info(params.get("keys") or [])
+                self._track(request.request_id).notes = self._info(query.keys)
             except Exception as e:  # answered, never fatal: the client names the error
-                self._notes[request.request_id] = {"error": f"{type(e).__name__}: {e}"}
+                self._track(request.request_id).notes = {"error": f"{type(e).__name__}: {e}"}
             return
         if self.unsupported:
             return
         try:
-            plan = self._plan(request, params)
-        except Exception as e:  # a bad hint or option never fails the request: plain prefill
+            plan = self._plan(request, query)
+        except Exception as e:
             self._warn_once(f"request {request.request_id}: {e}; plain prefill")
             return
         if plan is None:
             return
-        self._plans[request.request_id] = plan
+        self._track(request.request_id).plan = plan
         if self.prefix_caching:
             # Blended KV is approximate: a unique salt keeps its blocks out of every other request's
             # prefix-cache lookups (and keeps this request from adopting exact blocks it will rewrite).
@@ -262,38 +186,31 @@ class SpecCacheConnector(KVConnectorBase_V1):
             request.block_hashes = []
             request.update_block_hashes()
 
-    def _plan(self, request: "Request", params) -> dict | None:
-        if not isinstance(params, dict):
-            raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}] must be an object")
+    def _plan(self, request: "Request", query: wire.Query) -> dict | None:
+        """What the worker does for this request (it travels in the connector metadata), or None: plain prefill."""
         ids = list(request.prompt_token_ids or [])
-        n = len(ids)
-        if n < 2:
+        if len(ids) < 2:
             return None
-        if params.get("op") == "precompute":
-            s, e = (int(x) for x in params["span"])
-            if not 0 <= s < e <= n - 1:
-                raise ValueError(f"precompute span {[s, e]} outside the prompt's first {n - 1} tokens")
+        if query.op == "precompute":
             reuse = ReuseConfig(method="reuse", recompute_ratio=0.0)
-            return {"op": "precompute", "spans": [[s, e]], "reuse": asdict(reuse), "tag": params.get("tag")}
-        method = params.get("method", self.options.method)
+            return {"op": "precompute", "spans": query.spans, "reuse": asdict(reuse), "tag": query.tag}
+        method = query.method or self.options.method
         if method == "full":
             return None
-        reuse = self.options.reuse_config(method, params.get("recompute_ratio", self.options.recompute_ratio),
-                                          params.get("reuse") or {})
-        if "spans" in params:
-            spans = _valid_spans(params["spans"], n)
-        elif "chunks" in params:
-            spans = self._place(request.request_id, ids, params["chunks"])
+        ratio = self.options.recompute_ratio if query.recompute_ratio is None else query.recompute_ratio
+        reuse = self.options.reuse_config(method, ratio, query.reuse)
+        if query.spans is not None:
+            spans = query.spans
+        elif query.chunks is not None:
+            spans = self._place(request.request_id, ids, query.chunks)
         elif self.options.lookup == "auto":
             spans = [[s, e, key] for s, e, key in self._find(ids)]
         else:
             spans = []
         if not spans:
             return None
-        prompt = params.get("prompt")
-        if prompt is not None and not isinstance(prompt, dict):
-            raise ValueError("'prompt' must be an object with system, chunks, question")
-        return {"op": "blend", "spans": spans, "reuse": asdict(reuse), "prompt": prompt, "tag": params.get("tag")}
+        prompt = asdict(query.prompt) if query.prompt is not None else None
+        return {"op": "blend", "spans": spans, "reuse": asdict(reuse), "prompt": prompt, "tag": query.tag}
 
     def _stored_index(self) -> StoredChunkIndex:
         if self._index is None:
@@ -306,13 +223,11 @@ class SpecCacheConnector(KVConnectorBase_V1):
 
     def _place(self, req_id: str, ids: list[int], keys) -> list[list]:
         """Spans of the chunks a client named by key; every key that cannot be placed is reported."""
-        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-            raise ValueError("'chunks' must be a list of store keys")
         placed, ignored = self._stored_index().place(ids, keys)
         for key, reason in ignored:
             logger.warning("SpecCache: request %s: chunk id %s ignored: %s", req_id, key[:16], reason)
         if ignored:
-            self._notes[req_id] = {"ignored": [{"key": k, "reason": r} for k, r in ignored]}
+            self._track(req_id).notes = {"ignored": [{"key": k, "reason": r} for k, r in ignored]}
         return [[s, e, key] for s, e, key in placed]
 
     def _info(self, keys) -> dict:
@@ -320,7 +235,6 @@ class SpecCacheConnector(KVConnectorBase_V1):
 
         if self._sink_ids is None:
             self._sink_ids = sink_token_ids(load_tokenizer(self.model_dir), self.options.sink)
-        keys = [k for k in keys if isinstance(k, str)] if isinstance(keys, list) else []
         info = {"fingerprint": self.fingerprint, "dtype": self.dtype, "sink": self.options.sink,
                 "sink_ids": self._sink_ids,
                 "method": self.options.method, "recompute_ratio": self.options.recompute_ratio,
@@ -330,66 +244,59 @@ class SpecCacheConnector(KVConnectorBase_V1):
         return info
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        plan = self._plans.get(request.request_id)
-        if plan is None or plan.get("claimed"):
+        rec = self._tracked.get(request.request_id)
+        if rec is None or rec.plan is None or rec.claimed:
             return 0, False
         n = request.num_prompt_tokens
         if num_computed_tokens != 0 or request.num_tokens != n:
             # resumed after preemption, or a local hit we did not plan for: let vLLM compute it exactly
-            self._plans.pop(request.request_id, None)
+            rec.plan = None
             return 0, False
         limit = self.options.max_blends_per_step
-        if limit and len(self._pending) >= limit:
+        if limit and len(self._claimed) >= limit:
             return None, False                            # this step's blends are taken: ask again next step
         return n - 1, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
-        plan = self._plans.get(request.request_id)
-        if plan is not None and num_external_tokens > 0:
-            plan["claimed"] = True
-            self._pending[request.request_id] = plan
-            if request.prefill_stats is not None:
-                self._prefill_stats[request.request_id] = request.prefill_stats
-                while len(self._prefill_stats) > _REPORTS_MAX:          # blends that failed never report
-                    self._prefill_stats.popitem(last=False)
+        rec = self._tracked.get(request.request_id)
+        if rec is not None and rec.plan is not None and num_external_tokens > 0:
+            rec.claimed = True
+            rec.prefill_stats = request.prefill_stats
+            self._claimed.append(request.request_id)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = SpecCacheMetadata()
+        claimed, self._claimed = set(self._claimed), []
         for new_req in scheduler_output.scheduled_new_reqs:
-            plan = self._pending.pop(new_req.req_id, None)
-            if plan is not None:
-                body = {k: v for k, v in plan.items() if k != "claimed"}
+            rec = self._tracked.get(new_req.req_id)
+            if new_req.req_id in claimed and rec is not None and rec.plan is not None:
                 meta.loads.append(LoadSpec(new_req.req_id, list(new_req.prompt_token_ids or []),
-                                           list(new_req.block_ids[0]), body))
-        self._pending.clear()
+                                           list(new_req.block_ids[0]), rec.plan))
         return meta
 
     def update_connector_output(self, connector_output: "KVConnectorOutput"):
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(worker_meta, SpecCacheWorkerMetadata):
             for req_id, report in worker_meta.reports.items():
-                if req_id in self._plans:                # finished requests have no use for it
-                    self._reports[req_id] = report
-                self._correct_cached_tokens(req_id, report)
-
-    def _correct_cached_tokens(self, req_id: str, report: dict) -> None:
-        """vLLM counts every claimed token as cached; make it the tokens actually reused.
-
-        The request's ``PrefillStats`` was handed to its first output earlier in this same
-        ``update_from_output`` call (which then asks the connector for its output), and outputs are
-        serialized only after it returns, so correcting the object now corrects what clients see.
-        """
-        stats = self._prefill_stats.pop(req_id, None)
-        if stats is None:
-            return
-        reused = min(int(report.get("reused_tokens", 0)), stats.num_prompt_tokens)
-        stats.num_cached_tokens = stats.num_external_cached_tokens = reused
-        stats.num_computed_tokens = stats.num_prompt_tokens - reused
+                rec = self._tracked.get(req_id)
+                if rec is None:
+                    continue
+                rec.correct_cached_tokens(report)
+                if rec.finished:                          # nothing left to tell the client
+                    self._tracked.pop(req_id, None)
+                else:
+                    rec.report = report
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._plans.pop(request.request_id, None)
-        body = {**self._notes.pop(request.request_id, {}), **self._reports.pop(request.request_id, {})}
-        return False, ({PARAMS_KEY: body} if body else None)
+        rec = self._tracked.get(request.request_id)
+        if rec is None:
+            return False, None
+        body = {**rec.notes, **(rec.report or {})}
+        if rec.claimed and rec.report is None:            # its report may still come: keep the record for it
+            rec.finished, rec.plan = True, None
+        else:
+            self._tracked.pop(request.request_id, None)
+        return False, (wire.wrap(body)["kv_transfer_params"] if body else None)
 
     # ==== worker side =============================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
@@ -417,11 +324,11 @@ class SpecCacheConnector(KVConnectorBase_V1):
             blender = PagedBlender(model, tokenizer, self.store, self.fingerprint,
                                    sink_token_ids(tokenizer, self.options.sink), load_draft,
                                    fill_misses=self.options.fill_misses, sink=self.options.sink)
-            if self.options.gate and blender.check_gate(self.model_dir):
-                logger.warning("SpecCache: methods %s do not reproduce full prefill at recompute_ratio=1 on the "
-                               "built-in check with this model; every request is served by full prefill",
-                               ", ".join(blender.gate_failed))
-            if self.options.method in DRAFT_METHODS and not blender.gate_failed:
+            if self.options.gate:
+                verdict = blender.check_gate(self.model_dir)
+                if verdict.failed:
+                    logger.warning("SpecCache: %s", verdict.warning(self.model_dir))
+            if self.options.method in DRAFT_METHODS and not blender.core.gate_failed:
                 blender.draft()    # at start-up, so that the first request does not pay for loading it
             self._blender = blender
             logger.info("SpecCache connector ready: store=%s draft=%s method=%s ratio=%s", self.store_url,
@@ -459,7 +366,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
             out = {**report.to_dict(), "step": self._step, "batch": len(meta.loads)}
             self._out_reports[spec.req_id] = out
             if plan.get("tag"):
-                _publish(plan["tag"], out)
+                wire.REPORTS.publish(plan["tag"], out)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -482,12 +389,27 @@ class SpecCacheConnector(KVConnectorBase_V1):
         return SpecCacheWorkerMetadata(reports)
 
 
-def _valid_spans(spans, n: int) -> list[list[int]]:
-    out, prev = [], 0
-    for span in spans:
-        s, e = (int(x) for x in span)
-        if not prev <= s < e <= n:
-            raise ValueError(f"chunk spans must be sorted, non-overlapping and inside the prompt; got {spans}")
-        out.append([s, e])
-        prev = e
-    return out
+@dataclass
+class _Tracked:
+    """What the scheduler knows of one request, from ``on_new_request`` until its report is out."""
+
+    plan: dict | None = None              # the blend or precompute the worker runs (None: plain prefill)
+    claimed: bool = False                 # its tokens were claimed; the worker blends it this step
+    notes: dict = field(default_factory=dict)      # what the response tells the client (info, ignored keys)
+    report: dict | None = None            # the worker's statistics
+    prefill_stats: Any = None             # vLLM's PrefillStats of the request, corrected by the report
+    finished: bool = False                # finished before its report came
+
+    def correct_cached_tokens(self, report: dict) -> None:
+        """vLLM counts every claimed token as cached; make it the tokens actually reused.
+
+        The request's ``PrefillStats`` was handed to its first output earlier in this same
+        ``update_from_output`` call (which then asks the connector for its output), and outputs are
+        serialized only after it returns, so correcting the object now corrects what clients see.
+        """
+        stats, self.prefill_stats = self.prefill_stats, None
+        if stats is None:
+            return
+        reused = min(int(report.get("reused_tokens", 0)), stats.num_prompt_tokens)
+        stats.num_cached_tokens = stats.num_external_cached_tokens = reused
+        stats.num_computed_tokens = stats.num_prompt_tokens - reused

@@ -16,19 +16,20 @@ import os
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from ..config import DEFAULT_STORE, SINK_POLICIES, GenerationConfig, ReuseConfig
-from ..output import GenerationOutput, GenerationStats, GenerationStream, StreamingEngine
+from ..config import DEFAULT_STORE, ReuseConfig
+from ..contract import Engine, Request, check_sink, chunk_texts
+from ..output import GenerationOutput, GenerationStats, GenerationStream
 from ..hardware import dtype_name
 from ..kv import chunk_key
 from ..prompt import RAGPrompt, render, sink_token_ids, tokenize_piece
 from ..store import KVStore
-from . import PARAMS_KEY, kv_transfer_config, require_vllm
+from .. import wire
+from . import kv_transfer_config, require_vllm
 from .lookup import fingerprint_for, shared_store
 
 
@@ -48,10 +49,12 @@ class _Pending:
     events: queue.Queue | None = None    # (request, new text | exception, finished), fed by the driver thread
 
 
-class VllmSpecCacheEngine(StreamingEngine):
+class VllmSpecCacheEngine(Engine):
     """SpecCache on vLLM, in process. Build it with ``SpecCacheEngine.from_pretrained(..., backend="vllm")``."""
 
     backend = "vllm"
+    offload_note = ("offloaded decoding runs on the torch engine only (backend='torch'): vLLM's scheduler has no "
+                    "two-token speculative step and no low-bit decode attention (docs/vllm.md)")
 
     def __init__(self, target: str, draft: str | None = None, store: KVStore | str = DEFAULT_STORE,
                  dtype: torch.dtype | str = "auto", sink: str = "bos", fill_misses: bool = True,
@@ -66,8 +69,7 @@ class VllmSpecCacheEngine(StreamingEngine):
 
         from ..models import load_tokenizer, resolve
 
-        if sink not in SINK_POLICIES:
-            raise ValueError(f"sink must be one of {', '.join(SINK_POLICIES)}, got {sink!r}")
+        check_sink(sink)
         self.model_dir = resolve(target)
         self.name = name or str(target)
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -112,14 +114,10 @@ class VllmSpecCacheEngine(StreamingEngine):
         from tqdm.auto import tqdm
         from vllm import SamplingParams
 
-        texts = list(texts)
         keys, todo = [], {}
-        for text in texts:
-            if not isinstance(text, str) or not text.strip():
-                raise ValueError("cannot precompute an empty chunk")
+        for text in chunk_texts(texts):
             ids, _ = tokenize_piece(self.tokenizer, text)
-            if len(self._sink_ids) + len(ids) + 1 > self.context_window:
-                raise ValueError(f"chunk of {len(ids)} tokens exceeds the context window of {self.context_window}")
+            self.check_chunk_fits(len(ids), len(self._sink_ids))
             key = chunk_key(self.fingerprint, ids)
             keys.append(key)
             if key not in todo and not self.store.contains(key):
@@ -128,8 +126,8 @@ class VllmSpecCacheEngine(StreamingEngine):
         pending, events = [], queue.Queue()
         for key, ids in todo.items():
             s = len(self._sink_ids)
-            params = {"op": "precompute", "span": [s, s + len(ids)], "tag": uuid.uuid4().hex}
-            sp = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": {PARAMS_KEY: params}})
+            params = wire.precompute(s, s + len(ids), wire.new_tag())
+            sp = SamplingParams(max_tokens=1, temperature=0.0, extra_args=wire.wrap(params))
             prompt = {"prompt_token_ids": self._sink_ids + ids + ids[-1:]}
             pending.append(self._add(prompt, sp, params["tag"], "precompute", len(prompt["prompt_token_ids"]),
                                      events=events))
@@ -148,10 +146,8 @@ class VllmSpecCacheEngine(StreamingEngine):
                temperature: float = 0.0, top_p: float = 1.0, stop: Iterable[str] | str | None = None,
                seed: int | None = None, return_first_logits: bool = False, offload=None) -> GenerationStream:
         """An iterator of this request's text pieces; its ``.output`` holds the result once it is done."""
-        if offload is not None:
-            raise ValueError("offloaded decoding runs on the torch engine only (backend='torch'): vLLM's scheduler "
-                             "has no two-token speculative step and no low-bit decode attention (docs/vllm.md)")
-        pending = self._submit(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits)
+        req = self.request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits, offload)
+        pending = self._submit(req)
         stream = GenerationStream()
         stream._pieces = self._pieces(stream, pending)
         return stream
@@ -180,36 +176,27 @@ class VllmSpecCacheEngine(StreamingEngine):
         """
         events: queue.Queue = queue.Queue()
         with self._lock:                    # all submitted before the driver's next step: they blend together
-            pending = [self._submit(p, max_new_tokens, reuse, temperature, top_p, stop, seed, False, cache_salt,
+            pending = [self._submit(self.request(p, max_new_tokens, reuse, temperature, top_p, stop, seed), cache_salt,
                                     salt_per_request, events) for p in prompts]
         for _ in self._drive(pending):
             pass
         return [self._result(p) for p in pending]
 
     # ---- internals ------------------------------------------------------------------------------
-    def _submit(self, prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, want_logits,
-                cache_salt: str | None = None, salt_per_request: bool = True,
+    def _submit(self, req: Request, cache_salt: str | None = None, salt_per_request: bool = True,
                 events: queue.Queue | None = None) -> _Pending:
         from vllm import SamplingParams
 
-        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        gen = GenerationConfig(max_new_tokens, temperature, top_p, stop, seed)
-        reuse = reuse or ReuseConfig(method=self._defaults[0], recompute_ratio=self._defaults[1])
-        if not isinstance(prompt, RAGPrompt):
-            raise TypeError(f"prompt must be a RAGPrompt, got {type(prompt).__name__}")
+        prompt, gen, want_logits = req.prompt, req.gen, req.return_first_logits
+        reuse = req.reuse or ReuseConfig(method=self._defaults[0], recompute_ratio=self._defaults[1])
         start = time.perf_counter()
         tokens = render(prompt, self.tokenizer)
-        if len(tokens) + gen.max_new_tokens > self.context_window:
-            raise ValueError(f"prompt of {len(tokens)} tokens + max_new_tokens={gen.max_new_tokens} exceeds the "
-                             f"context window of {self.context_window} tokens; retrieve fewer or shorter chunks")
-        tag = uuid.uuid4().hex
-        params = {"method": reuse.method, "recompute_ratio": reuse.recompute_ratio, "tag": tag,
-                  "reuse": {k: v for k, v in vars(reuse).items() if k not in ("method", "recompute_ratio")},
-                  "spans": [[s.start, s.end] for s in tokens.chunk_segments()],
-                  "prompt": {"system": prompt.system, "chunks": list(prompt.chunks), "question": prompt.question}}
+        self.check_fits(len(tokens), gen.max_new_tokens)
+        tag = wire.new_tag()
+        params = wire.query(reuse, tag, [[s.start, s.end] for s in tokens.chunk_segments()], prompt)
         sp = SamplingParams(max_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
                             stop=list(gen.stop) or None, seed=gen.seed, logprobs=-1 if want_logits else None,
-                            extra_args={"kv_transfer_params": {PARAMS_KEY: params}})
+                            extra_args=wire.wrap(params))
         request = {"prompt_token_ids": tokens.token_ids}
         if cache_salt:
             request["cache_salt"] = f"{cache_salt}:{tag}" if salt_per_request else cache_salt
@@ -275,11 +262,9 @@ class VllmSpecCacheEngine(StreamingEngine):
             yield p, item
 
     def _result(self, p: _Pending) -> GenerationOutput:
-        from .connector import pop_report
-
         out = p.output
         o = out.outputs[0]
-        report = pop_report(p.tag) or ((out.kv_transfer_params or {}).get(PARAMS_KEY) if out.kv_transfer_params else None)
+        report = wire.REPORTS.pop(p.tag) or wire.read(out.kv_transfer_params) or None
         # the worker's statistics of the blend; none for full prefill, or a fallback to it (vLLM computed every token)
         stats = GenerationStats.from_dict(report) if report else GenerationStats(p.method, p.prompt_tokens,
                                                                                    recomputed_tokens=p.prompt_tokens)
@@ -313,9 +298,3 @@ class VllmSpecCacheEngine(StreamingEngine):
                     except Exception:
                         pass
                     break
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

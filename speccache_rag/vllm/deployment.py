@@ -1,0 +1,73 @@
+"""What a SpecCache deployment of vLLM configures (``Options``: ``kv_connector_extra_config``) and whether it
+can blend at all (``unsupported_reason``). Read by the connector at start-up; no vLLM import here."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..config import DEFAULT_STORE, METHODS, ReuseConfig
+from ..hardware import dtype_name
+from ..models import SUPPORTED_MODEL_TYPES
+from .plugin import ARCHITECTURES
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+@dataclass
+class Options:
+    """``kv_connector_extra_config``: the deployment's defaults (requests may override method/ratio/reuse)."""
+
+    store: str = DEFAULT_STORE
+    draft: str | None = None             # None: the target scores itself (HF copy of the same weights)
+    method: str = ReuseConfig.method
+    recompute_ratio: float | str = ReuseConfig.recompute_ratio      # or "auto"
+    reuse: dict = field(default_factory=dict)
+    sink: str = "bos"
+    fill_misses: bool = True             # store the KV of hinted chunks that missed, for the next request
+    lookup: str = "auto"                 # "auto": hints, else token content against the store; "hints": hints only
+    min_chunk_tokens: int = 8            # shortest chunk the content lookup finds
+    max_blends_per_step: int = 0         # 0: every waiting request blends in the same engine step;
+                                         # N: at most N per step (earlier first tokens, same work)
+    gate: bool = True                    # the correctness gate at start-up (gate.py), verdict kept in the store
+
+    @classmethod
+    def from_extra(cls, extra: dict | None) -> "Options":
+        extra = dict(extra or {})
+        unknown = set(extra) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown SpecCache connector options: {', '.join(sorted(unknown))}")
+        opts = cls(**extra)
+        if opts.lookup not in ("auto", "hints"):
+            raise ValueError(f"lookup must be 'auto' or 'hints', got {opts.lookup!r}")
+        if opts.max_blends_per_step < 0:
+            raise ValueError(f"max_blends_per_step must be >= 0, got {opts.max_blends_per_step}")
+        if opts.method != "full":
+            opts.reuse_config(opts.method, opts.recompute_ratio, {})       # validates
+        return opts
+
+    def reuse_config(self, method: str, ratio: float | str, overrides: dict) -> ReuseConfig:
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        ratio = ratio if ratio == "auto" else float(ratio)
+        fields = {**self.reuse, **(overrides or {}), "method": method, "recompute_ratio": ratio}
+        return ReuseConfig(**fields)
+
+
+def unsupported_reason(vllm_config: "VllmConfig") -> str | None:
+    """Why this deployment cannot blend (then every request is a plain prefill), or None."""
+    mc = vllm_config.model_config
+    hf = mc.hf_text_config if hasattr(mc, "hf_text_config") else mc.hf_config
+    archs = list(getattr(mc, "architectures", None) or getattr(hf, "architectures", None) or [])
+    model_type = getattr(hf, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES or not set(archs) & set(ARCHITECTURES):
+        return (f"architecture {model_type or archs} is not supported by the SpecCache connector "
+                f"(supported: {', '.join(ARCHITECTURES)})")
+    if getattr(hf, "use_sliding_window", False):
+        return "sliding-window attention is not supported"
+    pc = vllm_config.parallel_config
+    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
+        return "tensor/pipeline parallelism is not supported yet"
+    if vllm_config.cache_config.cache_dtype not in ("auto", dtype_name(mc.dtype)):
+        return f"quantized KV cache ({vllm_config.cache_config.cache_dtype}) is not supported"
+    return None
