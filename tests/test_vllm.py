@@ -376,7 +376,7 @@ def test_a_failing_blend_is_recomputed_by_vllm_never_served(engine, prompt, full
 
 @needs_vllm
 def test_bench_reports_ratios_from_one_run(engine):
-    from speccache_rag.vllm.bench import run_bench
+    from speccache_rag.bench.vllm_serving import run_bench
 
     result = run_bench(engine, [RAGPrompt(chunks=CHUNKS[:2], question=QUESTION)] * 2, max_new_tokens=4,
                        methods=("full", "speccache"), recompute_ratio=0.15)
@@ -406,7 +406,7 @@ def test_eight_threads_on_the_in_process_engine_each_get_their_own_answer(engine
 
 @needs_vllm
 def test_bench_rag_workload_compares_prefix_caching_with_the_connector(engine):
-    from speccache_rag.vllm.bench import PREFIX_CACHE, rag_workload, run_bench
+    from speccache_rag.bench.vllm_serving import PREFIX_CACHE, rag_workload, run_bench
 
     texts, prompts = rag_workload(engine.tokenizer, queries=4, corpus=8, chunks_per_request=3, chunk_tokens=120)
     assert len(texts) == 8 and all(len(p.chunks) == 3 and set(p.chunks) <= set(texts) for p in prompts)

@@ -8,7 +8,6 @@
   (:mod:`.models`) that record themselves so the connector reaches their submodules.
 * :mod:`.engine` — ``VllmSpecCacheEngine``, what ``SpecCacheEngine.from_pretrained(backend="vllm")``
   returns: the torch engine's API (precompute / generate / generate_many / stream) over vLLM.
-* :mod:`.bench` — requests/s and TTFT of full prefill vs SpecCache on vLLM.
 
 Nothing here imports vllm at module import time except the connector and the model subclasses,
 which only vLLM itself loads.

@@ -1,9 +1,9 @@
 """Benchmark: requests/s and TTFT (median, p90) of a batch of RAG requests on vLLM, full prefill vs
 SpecCache (and any other method), reported as ratios from one run of one engine.
 
-    python -m speccache_rag.vllm.bench --target qwen2.5-coder-0.5b --draft smollm2-135m \\
+    python -m speccache_rag.bench.vllm_serving --target qwen2.5-coder-0.5b --draft smollm2-135m \\
         --requests 8 --chunks-per-request 4 --max-new-tokens 16 --json results/vllm_bench.json
-    python -m speccache_rag.vllm.bench --workload rag --target qwen2.5-coder-0.5b --draft smollm2-135m \\
+    python -m speccache_rag.bench.vllm_serving --workload rag --target qwen2.5-coder-0.5b --draft smollm2-135m \\
         --methods prefix-cache speccache     # 40 queries × 6 of 30 chunks: vLLM's prefix caching vs the connector
 
 Method ``prefix-cache`` is what vLLM users run today: plain full prefill with vLLM's automatic prefix
