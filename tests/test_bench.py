@@ -314,7 +314,7 @@ def test_bench_offload_suite_reports_every_config(tmp_path):
 
 
 def test_sign_test_and_paired_counts():
-    from speccache_rag.bench.report import paired, sign_test_p
+    from speccache_rag.bench.report_paired import paired, sign_test_p
 
     assert sign_test_p(10, 2) == pytest.approx(0.0386, abs=1e-4)       # 2 * P(X <= 2), X ~ Bin(12, 1/2)
     assert sign_test_p(3, 3) == 1.0 and sign_test_p(0, 0) == 1.0
@@ -326,7 +326,7 @@ def test_sign_test_and_paired_counts():
 
 
 def test_paired_permutation_test_of_the_mean():
-    from speccache_rag.bench.report import mean_diff_p, paired_diffs
+    from speccache_rag.bench.report_paired import mean_diff_p, paired_diffs
 
     assert mean_diff_p([1.0] * 12) == pytest.approx(2 / 2 ** 12, abs=5e-4)   # only the all-same signs are as far
     assert mean_diff_p([1.0, -1.0] * 10) == 1.0 and mean_diff_p([]) == 1.0 and mean_diff_p([0.0, 0.0]) == 1.0
@@ -339,14 +339,14 @@ def test_paired_permutation_test_of_the_mean():
 
 
 def test_a_suite_method_on_few_prompts_gets_its_own_table_not_a_smaller_headline():
-    from speccache_rag.bench.report import _methods
+    from speccache_rag.bench.report_tables import tabulated_methods
 
     rows = [{"method": m, "example": e} for e in range(4) for m in ("full", "reuse", "qattn@0.15")]
     rows += [{"method": "deviation@0.15", "example": 0}, {"method": "qattn@0.05", "example": 0},
              {"method": "speccache@0.15", "example": 1}, {"method": "speccache@0.15", "example": 2}]
     suite = ["full", "reuse", "qattn@0.15", "speccache@0.15", "deviation@0.15"]
     # speccache has half of full's prompts (a run stopped midway): still headline; a sweep method is not listed
-    assert _methods(suite, rows) == (["full", "reuse", "qattn@0.15", "speccache@0.15"], ["deviation@0.15"])
+    assert tabulated_methods(suite, rows) == (["full", "reuse", "qattn@0.15", "speccache@0.15"], ["deviation@0.15"])
 
 
 def test_divergence_analysis_locates_stale_kv(smollm2):

@@ -25,7 +25,7 @@ from ..prompt import RAGPrompt, render
 from ..runner import decode_one, full_prefill
 from .data import make_example, tokenizer_counter
 from .metrics import first_token_fidelity, task_scores
-from .report import _fmt
+from .report_tables import fmt
 from .results import RESULTS, SUITE_FILE
 
 QWEN05, QWEN15 = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
@@ -205,13 +205,13 @@ def goal_lines(summary: dict[tuple, dict]) -> list[str]:
     for (target, context, config), s in sorted(summary.items()):
         if config == "2bit-k64":
             ok = (s["of_full"] or 0) >= 0.98 and s["resident16"] <= 0.2
-            lines.append(f"- {target} @{context}: 2-bit k=64 keeps {_fmt(s['of_full'] and 100 * s['of_full'], 0)} % of "
-                         f"full accuracy at {_fmt(s['resident16'])}× full KV (16-bit) — goal ≥ 98 % at ≤ 0.2×: "
+            lines.append(f"- {target} @{context}: 2-bit k=64 keeps {fmt(s['of_full'] and 100 * s['of_full'], 0)} % of "
+                         f"full accuracy at {fmt(s['resident16'])}× full KV (16-bit) — goal ≥ 98 % at ≤ 0.2×: "
                          f"{'met' if ok else 'not met'}")
         if config == "1bit-k64":
             ok = (s["of_full"] or 0) >= 0.95 and s["resident16"] <= 0.12
-            lines.append(f"- {target} @{context}: 1-bit k=64 keeps {_fmt(s['of_full'] and 100 * s['of_full'], 0)} % at "
-                         f"{_fmt(s['resident16'])}× — goal ≥ 95 % at ≤ 0.12×: {'met' if ok else 'not met'}")
+            lines.append(f"- {target} @{context}: 1-bit k=64 keeps {fmt(s['of_full'] and 100 * s['of_full'], 0)} % at "
+                         f"{fmt(s['resident16'])}× — goal ≥ 95 % at ≤ 0.12×: {'met' if ok else 'not met'}")
         if config.endswith("-k64-nonspec"):
             spec = summary.get((target, context, config.removesuffix("-nonspec")))
             if spec and spec["hit"] is not None and s["hit"] is not None:
@@ -241,9 +241,9 @@ def write_offload_report(out: Path, rows: list[dict], env: dict) -> Path:
                   "| spec | tok/s × full |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for c in configs:
             s = summary[(target, context, c)]
-            lines.append(f"| {c} | {_fmt(s['score'], 2)} | {_fmt(s['of_full'] and 100 * s['of_full'], 0)} | {_fmt(s['kl'])} "
-                         f"| {_fmt(s['top1'], 2)} | {_fmt(s['resident'])} | {_fmt(s['resident16'])} | {_fmt(s['hit'], 2)} "
-                         f"| {_fmt(s['oracle'], 2)} | {_fmt(s['spec'], 2)} | {_fmt(s['tps'], 2)} |")
+            lines.append(f"| {c} | {fmt(s['score'], 2)} | {fmt(s['of_full'] and 100 * s['of_full'], 0)} | {fmt(s['kl'])} "
+                         f"| {fmt(s['top1'], 2)} | {fmt(s['resident'])} | {fmt(s['resident16'])} | {fmt(s['hit'], 2)} "
+                         f"| {fmt(s['oracle'], 2)} | {fmt(s['spec'], 2)} | {fmt(s['tps'], 2)} |")
         lines.append("")
     lines += ["## Goals", "", *goal_lines(summary), ""]
     plot = _plot(out, summary)
