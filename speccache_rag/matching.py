@@ -10,65 +10,16 @@ Matching is exact (after stripping each chunk's outer whitespace, as LlamaIndex'
 and uses the last ``ANCHOR_CHARS`` characters of each chunk as a hash anchor, so one pass over the
 prompt checks every known chunk however many there are. Tails, not heads, are anchored because
 LlamaIndex prefixes every node of a file with the same metadata lines.
-
-``generate_text`` / ``stream_text`` (and their async twins) then generate from such a prompt (the
-framework integrations' one generation path): pieces as they are decoded, and for asyncio a worker
-thread whose pieces reach the event loop one by one — or the engine's own async calls (remote).
 """
 from __future__ import annotations
 
-import asyncio
 import threading
 import weakref
-from collections import deque
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 
-from .output import GenerationOutput
-from .prompt import RAGPrompt
+from .chat_prompt import ChatPrompt, Part
 
 ANCHOR_CHARS = 32                   # shorter chunks are matched only when a retrieval hint names them
-_Part = str | int                   # literal text, or the index of a chunk
-
-
-@dataclass
-class ChatPrompt(RAGPrompt):
-    """Chat messages in which chunks were found by content; renders like a ``RAGPrompt``.
-
-    ``turns[i] = (role, parts)``: each part is literal text or the index of a chunk in ``chunks``.
-    ``system`` is unused (the system message, if any, is one of the turns); ``question`` holds the
-    text of the last turn, for display.
-    """
-
-    system: str | None = None
-    turns: list[tuple[str, list[_Part]]] = field(default_factory=list)
-
-    def messages(self, chunk_texts: list[str]) -> list[dict]:
-        return [{"role": role, "content": "".join(p if isinstance(p, str) else chunk_texts[p] for p in parts)}
-                for role, parts in self.turns]
-
-
-class RecentRetrievals:
-    """The chunk texts of the last few retrievals, thread-safe: what the frameworks' retriever
-    callbacks record as hints. Concurrent queries each add their own batch."""
-
-    def __init__(self, keep: int = 8):
-        self._batches: deque[list[str]] = deque(maxlen=keep)
-        self._lock = threading.Lock()
-
-    def add(self, texts: list[str]) -> None:
-        with self._lock:
-            self._batches.append(texts)
-
-    def texts(self) -> list[str]:
-        """Hint texts, most recent retrieval first (no duplicates)."""
-        with self._lock:
-            batches = list(self._batches)
-        return list(dict.fromkeys(t for batch in reversed(batches) for t in batch))
-
-    def clear(self) -> None:
-        with self._lock:
-            self._batches.clear()
 
 
 class ChunkTextIndex:
@@ -176,10 +127,10 @@ def _whole_words(text: str, start: int, end: int) -> bool:
 
 
 def split_chunks(content: str, index: ChunkTextIndex, hints: Iterable[str] = (),
-                 chunks: list[str] | None = None) -> list[_Part]:
+                 chunks: list[str] | None = None) -> list[Part]:
     """``content`` as literal text and chunk indices; found chunks are appended to ``chunks``."""
     chunks = [] if chunks is None else chunks
-    parts: list[_Part] = []
+    parts: list[Part] = []
     cursor = 0
     for start, end in index.find(content, hints):
         if start > cursor:
@@ -224,34 +175,6 @@ def chunk_index(engine) -> ChunkTextIndex:
         return _INDEXES[engine]
 
 
-def precompute_texts(engine, texts: Iterable[str], progress: bool = False, embeddings=None,
-                     neighbors: int = 0) -> list[str]:
-    """``engine.precompute`` of the stripped texts, remembered for matching; → their keys.
-
-    neighbors > 0: each text is also stored prefilled after its ``neighbors`` nearest texts of this batch by
-    ``embeddings`` (one vector per text, as the framework's ingestion made them): ``neighbors.py``."""
-    texts = [t.strip() for t in texts]
-    context = None
-    if neighbors:
-        context = neighbour_texts(texts, embeddings, neighbors)
-        if not hasattr(engine, "blender"):
-            raise ValueError("ingestion-time neighbours are computed by the torch engine: precompute with a local "
-                             "engine (remote mode: precompute(..., engine=SpecCacheEngine.from_pretrained(...)))")
-    keys = engine.precompute(texts, progress=progress, **({"context": context} if context else {}))
-    chunk_index(engine).add(texts, keys)
-    return keys
-
-
-def neighbour_texts(texts: list[str], embeddings, k: int) -> list[list[str]]:
-    """For each text, its ``k`` nearest other texts by ``embeddings`` (duplicates of itself left out)."""
-    from .neighbors import nearest
-
-    if embeddings is None or len(embeddings) != len(texts):
-        raise ValueError(f"neighbors={k} needs one embedding per text ({len(texts)}), got "
-                         f"{'none' if embeddings is None else len(embeddings)}")
-    return [[texts[j] for j in near if texts[j] != texts[i]] for i, near in enumerate(nearest(embeddings, k))]
-
-
 def prompt_from_text(engine, prompt: str | Sequence[dict], hints: Iterable[str] | None = None) -> ChatPrompt:
     """The ``ChatPrompt`` for a framework's prompt text or messages, ready for ``engine.generate``.
 
@@ -266,75 +189,3 @@ def prompt_from_text(engine, prompt: str | Sequence[dict], hints: Iterable[str] 
     matched = match_prompt(prompt, index, hints)
     index.add(matched.chunks)
     return matched
-
-
-# ---- generation from a framework's prompt ------------------------------------------------------
-def generate_text(engine, prompt: str | Sequence[dict], hints: Iterable[str] | None = None,
-                  **generate_kwargs) -> GenerationOutput:
-    """One whole generation from a prompt string or chat messages (``engine.generate``: for a remote
-    engine one non-streamed request, whose response carries every statistic)."""
-    return engine.generate(prompt_from_text(engine, prompt, hints), **generate_kwargs)
-
-
-async def agenerate_text(engine, prompt: str | Sequence[dict], hints: Iterable[str] | None = None,
-                         **generate_kwargs) -> GenerationOutput:
-    """``generate_text`` for asyncio: the engine's own ``agenerate`` where it has one (remote), else a
-    worker thread."""
-    if hasattr(engine, "agenerate"):
-        return await engine.agenerate(prompt_from_text(engine, prompt, hints), **generate_kwargs)
-    return await asyncio.to_thread(generate_text, engine, prompt, hints, **generate_kwargs)
-
-
-def stream_text(engine, prompt: str | Sequence[dict], hints: Iterable[str] | None = None,
-                **generate_kwargs) -> Iterator[str | GenerationOutput]:
-    """Generate from a prompt string or chat messages: yields text pieces as they are decoded, then
-    this call's ``GenerationOutput``. Calls from many threads run side by side (the engine keeps no
-    per-request state). ``generate_kwargs`` are those of ``SpecCacheEngine.stream``."""
-    stream = engine.stream(prompt_from_text(engine, prompt, hints), **generate_kwargs)
-    try:
-        yield from stream
-    finally:
-        stream.close()
-    yield stream.output
-
-
-async def astream_text(engine, prompt: str | Sequence[dict], hints: Iterable[str] | None = None,
-                       **generate_kwargs) -> AsyncIterator[str | GenerationOutput]:
-    """``stream_text`` for asyncio: generation runs in a worker thread and each piece is handed to the
-    event loop as soon as it is decoded. Closing the iterator early stops generation at the next token.
-    An engine with its own ``astream`` (remote) is awaited directly."""
-    if hasattr(engine, "astream"):
-        async for item in engine.astream(prompt_from_text(engine, prompt, hints), **generate_kwargs):
-            yield item
-        return
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    stop = threading.Event()
-    done = object()
-
-    def work() -> None:
-        pieces = stream_text(engine, prompt, hints, **generate_kwargs)
-        try:
-            for item in pieces:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-                if stop.is_set():
-                    break
-        except BaseException as e:  # handed to the awaiting side, which re-raises it
-            loop.call_soon_threadsafe(queue.put_nowait, (done, e))
-            return
-        finally:
-            pieces.close()
-        loop.call_soon_threadsafe(queue.put_nowait, (done, None))
-
-    worker = loop.run_in_executor(None, work)
-    try:
-        while True:
-            item = await queue.get()
-            if isinstance(item, tuple) and item and item[0] is done:
-                if item[1] is not None:
-                    raise item[1]
-                return
-            yield item
-    finally:
-        stop.set()
-        await asyncio.shield(worker)

@@ -195,7 +195,7 @@ def test_precompute_is_idempotent(rag, engine):
 
 def test_construction_is_cheap_and_validates():
     chat = ChatSpecCache(target="smollm2-135m", draft="smollm2-135m", store="./kv", max_tokens=64, temperature=0)
-    assert chat._engine is None
+    assert not chat._core.loaded
     assert chat._llm_type == "speccache"
     with pytest.raises(ValueError):
         ChatSpecCache(method="telepathy")

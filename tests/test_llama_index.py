@@ -195,9 +195,9 @@ def test_precompute_is_idempotent_with_a_stable_pipeline_hash(index, engine):
 def test_metadata_and_lazy_construction(engine):
     llm = SpecCacheLLM(target="smollm2-135m", draft="smollm2-135m", store="./kv", max_new_tokens=64,
                        method="speccache", recompute_ratio=0.15)
-    assert llm._engine is None
+    assert not llm._core.loaded
     meta = llm.metadata                                     # reads the config, loads no weights
-    assert llm._engine is None
+    assert not llm._core.loaded
     assert meta.context_window == engine.context_window and meta.num_output == 64
     assert meta.is_chat_model and meta.model_name == "smollm2-135m"
     with pytest.raises(ValueError):

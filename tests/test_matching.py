@@ -1,4 +1,5 @@
-"""Finding known chunks inside a framework's prompt string (speccache_rag.matching)."""
+"""Finding known chunks inside a framework's prompt string (speccache_rag.matching), and generating from it
+(speccache_rag.dropin)."""
 from __future__ import annotations
 
 import asyncio
@@ -6,8 +7,9 @@ import asyncio
 import pytest
 
 from speccache_rag import ReuseConfig, SpecCacheEngine
-from speccache_rag.matching import (ANCHOR_CHARS, ChatPrompt, ChunkTextIndex, astream_text, chunk_index, match_prompt,
-                                    precompute_texts, prompt_from_text, stream_text)
+from speccache_rag.chat_prompt import ChatPrompt
+from speccache_rag.dropin import astream_text, precompute_texts, stream_text
+from speccache_rag.matching import ANCHOR_CHARS, ChunkTextIndex, chunk_index, match_prompt, prompt_from_text
 from tiny_models import tiny_random_model
 from speccache_rag.prompt import render, tokenize_piece
 from speccache_rag.store import DiskStore

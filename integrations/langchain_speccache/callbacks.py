@@ -6,12 +6,10 @@ from typing import Any, Sequence
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 
-from speccache_rag.matching import RecentRetrievals
-
-RECENT_RETRIEVALS = 8       # hint sets kept (concurrent chains each add their own)
+from speccache_rag.dropin import RecentRetrievals
 
 
-class RetrievalHints(BaseCallbackHandler):
+class RetrievalHints(RecentRetrievals, BaseCallbackHandler):
     """Records the ``page_content`` of the documents of the last few retrievals.
 
     ``ChatSpecCache`` searches its prompt for these texts first. Hints only narrow the search: a
@@ -24,15 +22,5 @@ class RetrievalHints(BaseCallbackHandler):
 
     run_inline = True           # called in the event loop's thread for async chains too
 
-    def __init__(self) -> None:
-        self._recent = RecentRetrievals(RECENT_RETRIEVALS)
-
     def on_retriever_end(self, documents: Sequence[Document], **kwargs: Any) -> None:
-        self._recent.add([d.page_content for d in documents])
-
-    def texts(self) -> list[str]:
-        """Hint texts, most recent retrieval first (no duplicates)."""
-        return self._recent.texts()
-
-    def clear(self) -> None:
-        self._recent.clear()
+        self.add([d.page_content for d in documents])

@@ -1,9 +1,7 @@
 """``SpecCacheLLM``: a LlamaIndex LLM whose prompts reuse the KV of precomputed chunks."""
 from __future__ import annotations
 
-import asyncio
-import threading
-from typing import Any, AsyncIterator, Dict, List, Literal, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -16,19 +14,19 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_serializer
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 
 from llama_index.llms.speccache.hints import RetrievalHints
-from speccache_rag import GenerationOutput, GenerationStats, OffloadConfig, ReuseConfig, SpecCacheEngine
-from speccache_rag.config import DEFAULT_STORE
-from speccache_rag.matching import agenerate_text, astream_text, generate_text, stream_text
+from speccache_rag import GenerationOutput, GenerationStats, SpecCacheEngine
+from speccache_rag.dropin import DropIn, DropInSettings, cached_tokens, init_arguments, usage
+from speccache_rag.dropin.fields import DropInFields
 
 _ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant"}
 
 
-class SpecCacheLLM(LLM):
+class SpecCacheLLM(LLM, DropInFields):
     """A local LLM that reuses the KV caches of retrieved chunks, repaired by speculative recompute.
 
     The prompt LlamaIndex builds is searched for chunks whose KV was precomputed (by
@@ -77,66 +75,21 @@ class SpecCacheLLM(LLM):
             # keys of the chunks they contain, and the server reuses exactly those (docs/deploy.md)
     """
 
-    target: Optional[str] = Field(default="smollm2-135m",
-                                  description="Target model: a packaged name, a HF directory or a .gguf file "
-                                  "(remote mode: the served model name; alias `model`).")
-    draft: Optional[str] = Field(default=None,
-                                 description="Draft model that scores tokens; None scores with the target.")
-    store: Any = Field(default=DEFAULT_STORE,
-                       description="KV store: a directory, 'memory://', 'redis://host:port/db' or a KVStore.")
-    backend: str = Field(default="torch", description="Engine backend: 'torch' or 'vllm'.")
-    dtype: str = Field(default="auto", description="Compute dtype: auto (bfloat16 where the hardware computes it "
-                       "natively, else float32), bfloat16 or float32.")
-    max_new_tokens: int = Field(default=64, gt=0, description="Tokens to generate at most.")
-    method: str = Field(default=ReuseConfig().method,
-                        description="Reuse method: qattn, speccache, norm, cacheblend, epic, reuse, full …")
-    recompute_ratio: Union[float, Literal["auto"]] = Field(
-        default=ReuseConfig.recompute_ratio,
-        description="Share of reused chunk tokens recomputed; 'auto': chosen per prompt (ReuseConfig.auto_range).")
-    offload: Union[str, OffloadConfig, None] = Field(
-        default=None, description="Offloaded decoding (SpeCache), torch backend: '2bit', '1bit' or an OffloadConfig — "
-        "a low-bit KV copy stays resident and the top-k rows are fetched each step.")
-    temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
-    stop: Optional[List[str]] = Field(default=None, description="Stop strings.")
-    seed: Optional[int] = Field(default=None, description="Sampling seed.")
+    max_new_tokens: int = Field(default=DropInSettings.max_new_tokens, description="Tokens to generate at most.")
     context_window: Optional[int] = Field(default=None,
                                           description="Context window; None reads it from the model's config.")
     use_retrieval_hints: bool = Field(default=True,
                                       description="Search retrieved nodes' texts first (RetrievalEndEvent).")
-    base_url: Optional[str] = Field(default=None, description="Remote mode: a SpecCache `vllm serve` "
-                                    "(http://host:8000/v1); `target` is then the served model name (None: its first).")
-    api_key: Optional[str] = Field(default=None, description="Remote mode: the server's API key.")
-    timeout: float = Field(default=600.0, gt=0, description="Remote mode: seconds to wait for a response.")
 
-    _engine: Any = PrivateAttr(default=None)
-    _engine_lock: Any = PrivateAttr(default_factory=threading.Lock)
-    # per thread, so that concurrent callers each see their own call's statistics
-    _last_stats: Any = PrivateAttr(default_factory=threading.local)
+    _core: DropIn = PrivateAttr(default_factory=DropIn)
     _context: Optional[int] = PrivateAttr(default=None)
     _hints_seen: Optional[RetrievalHints] = PrivateAttr(default=None)
 
     def __init__(self, engine: Optional[SpecCacheEngine] = None, **kwargs: Any) -> None:
-        if "model" in kwargs:                    # the OpenAI-style name of `target`
-            kwargs["target"] = kwargs.pop("model")
-        if engine is not None:
-            kwargs.setdefault("target", engine.name)
-            kwargs.setdefault("store", engine.store)
-        if kwargs.get("base_url"):
-            kwargs.setdefault("target", None)
-            kwargs.setdefault("store", None)     # the server has the store; give one to read its text index
-            if kwargs.get("offload") is not None:
-                raise ValueError("offloaded decoding runs in-process only; remote mode (base_url) cannot use it")
-        super().__init__(**kwargs)
-        ReuseConfig(method=self.method, recompute_ratio=self.recompute_ratio)   # fail early on bad values
-        OffloadConfig.parse(self.offload)
-        self._engine = engine
+        super().__init__(**init_arguments(kwargs, engine))
+        self._core = DropIn(engine)
         if self.use_retrieval_hints:
             self._hints_seen = RetrievalHints()
-
-    @field_serializer("store")
-    def _store_name(self, store: Any) -> Optional[str]:
-        return store if isinstance(store, str) or store is None else type(store).__name__
 
     @classmethod
     def class_name(cls) -> str:
@@ -146,17 +99,7 @@ class SpecCacheLLM(LLM):
     @property
     def engine(self) -> Any:
         """The engine, loaded on first use: a ``SpecCacheEngine``, or in remote mode a ``RemoteEngine``."""
-        with self._engine_lock:
-            if self._engine is None:
-                if self.base_url:
-                    from speccache_rag.remote import RemoteEngine
-
-                    self._engine = RemoteEngine(self.base_url, model=self.target, api_key=self.api_key,
-                                                store=self.store, timeout=self.timeout)
-                else:
-                    self._engine = SpecCacheEngine.from_pretrained(self.target, draft=self.draft, store=self.store,
-                                                                   backend=self.backend, dtype=self.dtype)
-            return self._engine
+        return self._core.engine(self._settings())
 
     @property
     def metadata(self) -> LLMMetadata:
@@ -168,7 +111,7 @@ class SpecCacheLLM(LLM):
         if self.context_window is not None:
             return self.context_window
         if self._context is None:
-            if self._engine is not None or self.base_url:
+            if self._core.loaded or self.base_url:
                 self._context = self.engine.context_window       # remote: the server's, no model loaded
             else:   # read the config only: metadata must not load the weights
                 from transformers import AutoConfig
@@ -178,30 +121,22 @@ class SpecCacheLLM(LLM):
                 self._context = AutoConfig.from_pretrained(str(resolve(self.target))).max_position_embeddings
         return self._context
 
-    # ---- the one generation path ---------------------------------------------------------------
-    def _generate_kwargs(self, kwargs: Dict[str, Any]) -> Dict[str, Any]:
-        return dict(
-            max_new_tokens=kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens)),
-            reuse=ReuseConfig(method=kwargs.get("method", self.method),
-                              recompute_ratio=kwargs.get("recompute_ratio", self.recompute_ratio)),
-            offload=OffloadConfig.parse(kwargs.get("offload", self.offload)),
-            temperature=kwargs.get("temperature", self.temperature),
-            top_p=kwargs.get("top_p", self.top_p),
-            stop=kwargs.get("stop", self.stop),
-            seed=kwargs.get("seed", self.seed),
-        )
-
     @property
     def last_stats(self) -> Optional[GenerationStats]:
         """Statistics of the most recent call made from this thread (every response also
         carries its own, in ``raw["stats"]`` and ``additional_kwargs``)."""
-        return getattr(self._last_stats, "stats", None)
+        return self._core.last_stats
 
     @property
     def retrieval_hints(self) -> Optional[RetrievalHints]:
         """The texts of the retrievals this LLM has seen (None when ``use_retrieval_hints=False``)."""
         return self._hints_seen
 
+    def _precompute(self, texts: List[str], **kwargs: Any) -> List[str]:
+        """The core's precompute, for ``SpecCacheKVPrecompute``."""
+        return self._core.precompute(self._settings(), texts, **kwargs)
+
+    # ---- the one generation path ---------------------------------------------------------------
     def _hints(self) -> Optional[List[str]]:
         return self._hints_seen.texts() if self._hints_seen is not None else None
 
@@ -210,46 +145,28 @@ class SpecCacheLLM(LLM):
         return [*system, {"role": "user", "content": prompt}]
 
     def _generate(self, messages: List[dict], kwargs: Dict[str, Any]) -> CompletionResponse:
-        return self._final(generate_text(self.engine, messages, self._hints(), **self._generate_kwargs(kwargs)))
-
-    async def _aengine(self) -> Any:
-        """The engine, loaded in a worker thread on first use so that the event loop keeps running."""
-        return self._engine or await asyncio.to_thread(lambda: self.engine)
+        return _final(self._core.generate(self._settings(), messages, self._hints(), **kwargs))
 
     async def _agenerate(self, messages: List[dict], kwargs: Dict[str, Any]) -> CompletionResponse:
-        gen_kwargs = self._generate_kwargs(kwargs)
-        return self._final(await agenerate_text(await self._aengine(), messages, self._hints(), **gen_kwargs))
-
-    def _final(self, out: GenerationOutput) -> CompletionResponse:
-        self._last_stats.stats = out.stats
-        stats = out.stats.to_dict()
-        usage = out.usage or _usage(out.stats)          # remote: what the server itself reported
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", out.stats.reused_tokens)
-        return CompletionResponse(text=out.text, delta="",
-                                  additional_kwargs={**stats, "cached_tokens": cached},
-                                  raw={"stats": stats, "finish_reason": out.finish_reason,
-                                       "token_ids": out.token_ids, "usage": usage})
+        return _final(await self._core.agenerate(self._settings(), messages, self._hints(), **kwargs))
 
     def _run(self, messages: List[dict], kwargs: Dict[str, Any]) -> CompletionResponseGen:
         text = ""
-        for item in stream_text(self.engine, messages, self._hints(), **self._generate_kwargs(kwargs)):
+        for item in self._core.stream(self._settings(), messages, self._hints(), **kwargs):
             if isinstance(item, str):
                 text += item
                 yield CompletionResponse(text=text, delta=item)
             else:
-                yield self._final(item)
+                yield _final(item)
 
     async def _arun(self, messages: List[dict], kwargs: Dict[str, Any]) -> AsyncIterator[CompletionResponse]:
         text = ""
-        gen_kwargs = self._generate_kwargs(kwargs)
-        engine = await self._aengine()
-        hints = self._hints()
-        async for item in astream_text(engine, messages, hints, **gen_kwargs):
+        async for item in self._core.astream(self._settings(), messages, self._hints(), **kwargs):
             if isinstance(item, str):
                 text += item
                 yield CompletionResponse(text=text, delta=item)
             else:
-                yield self._final(item)
+                yield _final(item)
 
     # ---- completion ----------------------------------------------------------------------------
     @llm_completion_callback()
@@ -291,11 +208,11 @@ class SpecCacheLLM(LLM):
         return gen()
 
 
-def _usage(s: GenerationStats) -> dict:
-    """The OpenAI usage shape LlamaIndex's token counting reads, with reused tokens as cached tokens."""
-    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.generated_tokens,
-            "total_tokens": s.prompt_tokens + s.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": s.reused_tokens}}
+def _final(out: GenerationOutput) -> CompletionResponse:
+    stats = out.stats.to_dict()
+    return CompletionResponse(text=out.text, delta="", additional_kwargs={**stats, "cached_tokens": cached_tokens(out)},
+                              raw={"stats": stats, "finish_reason": out.finish_reason, "token_ids": out.token_ids,
+                                   "usage": usage(out)})
 
 
 def _as_dicts(messages: Sequence[ChatMessage]) -> List[dict]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, List
+from typing import Any
 
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
@@ -19,27 +19,15 @@ from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
 from llama_index.core.schema import MetadataMode
 from pydantic import PrivateAttr
 
-from speccache_rag.matching import RecentRetrievals
-
-RECENT_RETRIEVALS = 8       # hint sets kept (concurrent queries each add their own)
+from speccache_rag.dropin import RecentRetrievals
 
 
-class RetrievalHints:
+class RetrievalHints(RecentRetrievals):
     """One LLM's hints: the LLM-mode texts of the nodes of the last few retrievals."""
 
     def __init__(self) -> None:
-        self._recent = RecentRetrievals(RECENT_RETRIEVALS)
+        super().__init__()
         _forwarder().attach(self)
-
-    def add(self, texts: List[str]) -> None:
-        self._recent.add(texts)
-
-    def texts(self) -> List[str]:
-        """Hint texts, most recent retrieval first (no duplicates)."""
-        return self._recent.texts()
-
-    def clear(self) -> None:
-        self._recent.clear()
 
 
 class _Forwarder(BaseEventHandler):

@@ -9,7 +9,7 @@ from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
 
 from llama_index.llms.speccache.base import SpecCacheLLM
 from speccache_rag import SpecCacheEngine
-from speccache_rag.matching import chunk_index, precompute_texts
+from speccache_rag.dropin import precompute_texts
 from speccache_rag.remote import PrecomputeSummary
 
 
@@ -55,7 +55,6 @@ class SpecCacheKVPrecompute(TransformComponent):
         kwargs.setdefault("store", store if isinstance(store, str) else type(store).__name__)
         super().__init__(**kwargs)
         self._llm, self._engine = llm, engine
-        self._checked = False
 
     @classmethod
     def class_name(cls) -> str:
@@ -72,9 +71,6 @@ class SpecCacheKVPrecompute(TransformComponent):
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         texts = [n.get_content(metadata_mode=self.metadata_mode).strip() for n in nodes]
-        if self._engine is not None and self._llm is not None and not self._checked:
-            self._llm.engine.check_engine(self._engine)          # refuse KV the server would never read
-            self._checked = True
         kept = [(t, n) for t, n in zip(texts, nodes) if t]
         vectors = None
         if self.neighbors:
@@ -82,11 +78,12 @@ class SpecCacheKVPrecompute(TransformComponent):
                 raise ValueError("SpecCacheKVPrecompute(neighbors=...) reads node.embedding: put the embedding "
                                  "model before it in the pipeline")
             vectors = [n.embedding for _, n in kept]
-        keys = precompute_texts(self.engine, [t for t, _ in kept],
-                                progress=kwargs.get("show_progress", self.show_progress), embeddings=vectors,
-                                neighbors=self.neighbors)
-        if self._engine is not None and self._llm is not None:   # the remote LLM learns them too
-            chunk_index(self._llm.engine).add([t for t, _ in kept], keys)
+        texts, progress = [t for t, _ in kept], kwargs.get("show_progress", self.show_progress)
+        if self._llm is None:
+            precompute_texts(self._engine, texts, progress=progress, embeddings=vectors, neighbors=self.neighbors)
+        else:       # with an engine too, the remote LLM checks that its server would read that engine's KV
+            self._llm._precompute(texts, progress=progress, engine=self._engine, embeddings=vectors,
+                                  neighbors=self.neighbors)
         return nodes
 
     async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
