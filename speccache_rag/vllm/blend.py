@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 
 from ..blend import Blender, chunk_entry
-from ..config import ReuseConfig
+from ..config import DRAFT_METHODS, ReuseConfig
 from ..gate import Verdict, run as run_gate
 from ..hardware import dtype_name
 from ..kv import chunk_key
 from ..layers import HFLayers
 from ..output import GenerationStats
-from ..prompt import RAGPrompt, TokenizedPrompt, render, segments_from_spans
+from ..prompt import RAGPrompt, TokenizedPrompt, render, segments_from_spans, sink_token_ids
 from ..runner import KVCache
 from .layers import VllmLayers, write_paged
 
@@ -29,6 +29,29 @@ class PagedBlender:
         self.ops, self.tokenizer, self.fill_misses = VllmLayers(model), tokenizer, fill_misses
         self._draft_loader, self._draft = draft_loader, None
         self.core = Blender(self.ops, store, fingerprint, sink_ids, draft=self.draft, sink=sink)
+
+    @classmethod
+    def start(cls, model, model_dir: str, dtype, store, fingerprint: str, options, logger) -> "PagedBlender":
+        """A worker's blender, ready before its first request: the correctness gate has run (``options.gate``)
+        and the draft is loaded where the configured method needs one, so no request pays for either."""
+        from ..models import load, load_tokenizer
+
+        tokenizer = load_tokenizer(model_dir)
+        draft_name = options.draft or model_dir
+
+        def load_draft():
+            logger.info("SpecCache: loading draft model %s", draft_name)
+            return load(draft_name, dtype=dtype)
+
+        blender = cls(model, tokenizer, store, fingerprint, sink_token_ids(tokenizer, options.sink), load_draft,
+                      fill_misses=options.fill_misses, sink=options.sink)
+        if options.gate:
+            verdict = blender.check_gate(model_dir)
+            if verdict.failed:
+                logger.warning("SpecCache: %s", verdict.warning(model_dir))
+        if options.method in DRAFT_METHODS and not blender.core.gate_failed:
+            blender.draft()
+        return blender
 
     def check_gate(self, model_name: str) -> Verdict:
         """The correctness gate over vLLM's modules (``gate.run``), applied to the core blender. A draft loaded

@@ -45,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from ..config import DRAFT_METHODS, ReuseConfig
+from ..config import ReuseConfig
 from ..hardware import dtype_name
 from ..prompt import RAGPrompt, sink_token_ids
 from .. import wire
@@ -306,30 +306,14 @@ class SpecCacheConnector(KVConnectorBase_V1):
         if self._blender is not None or self._blender_error is not None or self.unsupported:
             return self._blender
         try:
-            from ..models import load, load_tokenizer
             from .models import current_model
 
             model = current_model()
             if model is None:
                 raise Unsupported("the model was not built through speccache_rag's vLLM plugin "
                                   "(is speccache-rag installed in vLLM's environment?)")
-            tokenizer = load_tokenizer(self.model_dir)
-            draft_name = self.options.draft or self.model_dir
-            dtype = self.dtype
-
-            def load_draft():
-                logger.info("SpecCache: loading draft model %s", draft_name)
-                return load(draft_name, dtype=dtype)
-
-            blender = PagedBlender(model, tokenizer, self.store, self.fingerprint,
-                                   sink_token_ids(tokenizer, self.options.sink), load_draft,
-                                   fill_misses=self.options.fill_misses, sink=self.options.sink)
-            if self.options.gate:
-                verdict = blender.check_gate(self.model_dir)
-                if verdict.failed:
-                    logger.warning("SpecCache: %s", verdict.warning(self.model_dir))
-            if self.options.method in DRAFT_METHODS and not blender.core.gate_failed:
-                blender.draft()    # at start-up, so that the first request does not pay for loading it
+            blender = PagedBlender.start(model, self.model_dir, self.dtype, self.store, self.fingerprint, self.options,
+                                         logger)
             self._blender = blender
             logger.info("SpecCache connector ready: store=%s draft=%s method=%s ratio=%s", self.store_url,
                         self.options.draft or "(target)", self.options.method, self.options.recompute_ratio)
