@@ -4,11 +4,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_STORE = "./.speccache/kv"      # where engines, the connector and the drop-ins keep chunk KV by default
-METHODS = ("full", "reuse", "epic", "cacheblend", "speccache", "norm", "deviation", "qattn", "random", "oracle")
-DRAFT_METHODS = ("speccache", "norm", "deviation")   # the methods that run the draft model
-# Methods whose scores concentrate where it matters, so recompute_ratio="auto" can size the budget by their
-# mass (deep-layer norms are nearly flat: their mass always asks for the upper bound).
-AUTO_METHODS = ("qattn", "speccache", "cacheblend")
+
+
+@dataclass(frozen=True)
+class MethodTraits:
+    draft: bool = False     # scores with the draft model: engines load one for it
+    # Scores that concentrate where it matters, so recompute_ratio="auto" can size the budget by their mass
+    # (deep-layer norms are nearly flat: their mass always asks for the upper bound).
+    auto: bool = False
+
+
+# Every reuse method, in the order the CLI and error messages list them, and what the engines need to know
+# about it. Each one but "full" is a selector of that name (selection/registry.py takes no other name); the
+# lists below are read from here, so a new method is its module under selection/ plus its line here.
+METHOD_TRAITS = {
+    "full": MethodTraits(),
+    "reuse": MethodTraits(),
+    "epic": MethodTraits(),
+    "cacheblend": MethodTraits(auto=True),
+    "speccache": MethodTraits(draft=True, auto=True),
+    "norm": MethodTraits(draft=True),
+    "deviation": MethodTraits(draft=True),
+    "qattn": MethodTraits(auto=True),
+    "random": MethodTraits(),
+    "oracle": MethodTraits(),
+}
+METHODS = tuple(METHOD_TRAITS)
+DRAFT_METHODS = tuple(m for m, t in METHOD_TRAITS.items() if t.draft)
+AUTO_METHODS = tuple(m for m, t in METHOD_TRAITS.items() if t.auto)
 SINK_POLICIES = ("bos", "prefix", "none")
 SPAN_RULES = ("smooth", "none")
 NEIGHBOR_POLICIES = ("preceding", "unseen", "retrieved", "nearest", "off")   # chunk variants with ingestion-time context (neighbors.py)

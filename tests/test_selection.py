@@ -213,6 +213,14 @@ def test_every_configurable_method_has_one_registered_selector():
     assert set(SELECTORS) == set(METHODS) - {"full"}
 
 
+def test_a_selector_under_an_undeclared_name_is_refused():
+    from speccache_rag.selection import position_selector
+
+    with pytest.raises(ValueError, match="METHOD_TRAITS"):
+        position_selector("magic")(lambda sel, ops=None: sel.reusable_positions[:0])
+    assert "magic" not in SELECTORS
+
+
 def test_segments_from_spans_and_retokenize_keep_chunk_text_and_offsets():
     """A prompt known only as token ids and chunk spans (vllm serve) rebuilds the rendered segments."""
     tok = load_tokenizer("smollm2-135m")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import AUTO_METHODS, ReuseConfig
+from ..config import AUTO_METHODS, DRAFT_METHODS, METHODS, ReuseConfig
 from ..engine import SpecCacheEngine
 from ..layers import HFLayers
 from ..prompt import RAGPrompt, TokenizedPrompt, sink_token_ids, tokenize_piece
@@ -28,9 +28,9 @@ from ..selection.base import deep_layer_norms
 from ..selection.registry import recompute_picked
 from ..selection.draft_spans import select_by_draft
 
-FAMILIES = ("epic", "cacheblend", "speccache", "norm", "qattn", "random", "oracle", "static", "deviation")
-DRAFT_FAMILIES = ("speccache", "norm", "static", "deviation")
-EXPERIMENTS = ("static",)
+EXPERIMENTS = ("static",)     # bench-only selectors (BenchEngine.selector), each scoring with the draft
+FAMILIES = tuple(m for m in METHODS if m not in ("full", "reuse")) + EXPERIMENTS   # the ones named FAMILY@R
+DRAFT_FAMILIES = DRAFT_METHODS + EXPERIMENTS
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 A selector blends: given the cache holding the reused chunks, it recomputes what it chooses and
 returns ``(last-token logits, positions recomputed)``. Most methods only *choose* positions; they
 register with ``@position_selector`` and the recompute is done for them. A new method is one module
-that registers itself here; the engine, the CLI and the bench then all know it.
+that registers itself here under a name declared in ``config.METHOD_TRAITS`` (whether it runs the draft,
+whether ``"auto"`` can size its budget); the engine, the CLI and the bench then all know it.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..config import METHODS
 from ..runner import KVCache, prefill
 from .base import Selection
 
@@ -19,10 +21,17 @@ Blend = Callable[[object, KVCache, Selection, torch.Tensor], tuple[torch.Tensor,
 SELECTORS: dict[str, Blend] = {}
 
 
+def _register(name: str, blend: Blend) -> None:
+    # config.METHODS is what ReuseConfig accepts: a selector under any other name could never be chosen
+    if name not in METHODS or name == "full":
+        raise ValueError(f"selector {name!r} is not a reuse method of config.METHOD_TRAITS: declare it there")
+    SELECTORS[name] = blend
+
+
 def blend_selector(name: str):
     """Register ``fn(ops, cache, sel, always) -> (logits, recomputed positions)`` as method ``name``."""
     def register(fn: Blend) -> Blend:
-        SELECTORS[name] = fn
+        _register(name, fn)
         return fn
     return register
 
@@ -46,6 +55,6 @@ def position_selector(name: str):
     """Register ``fn(sel, ops) -> positions`` (among ``sel.reusable``, at most ``sel.budget``) as method
     ``name`` (see ``recompute_picked``)."""
     def register(fn: Pick) -> Pick:
-        SELECTORS[name] = recompute_picked(fn)
+        _register(name, recompute_picked(fn))
         return fn
     return register
