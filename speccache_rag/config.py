@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_STORE = "./.speccache/kv"      # where engines, the connector and the drop-ins keep chunk KV by default
+DEFAULT_TARGET = "smollm2-135m"       # the model a drop-in or the CLI loads when none is named
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ from .output import GenerationOutput, GenerationStats, GenerationStream, LoadSta
 from .prompt import RAGPrompt, TokenizedPrompt, render, sink_token_ids, tokenize_piece
 from .runner import KVCache, decode_one
 from .sampling import StopTextBuffer, sample
-from .selection import SELECTORS, hidden_states
 from .store import KVStore, open_store
 
 
@@ -49,8 +48,7 @@ class SpecCacheEngine(Engine):
         self.context_window = target.config.max_position_embeddings
         self.dtype = dtype_name(next(target.parameters()).dtype)
         self.blender = Blender(self.ops, self.store, self.fingerprint, sink_token_ids(tokenizer, sink),
-                               draft=lambda: (self.draft_ops, self.draft_tokenizer),
-                               hidden_states=self.hidden_states, selector=self.selector, sink=sink)
+                               draft=lambda: (self.draft_ops, self.draft_tokenizer), sink=sink)
         self._eos_ids = self._eos_token_ids()
         # One-time costs are paid here, so that the first request's TTFT means what the hundredth's does.
         self.load_stats = LoadStats()
@@ -222,14 +220,6 @@ class SpecCacheEngine(Engine):
             for method in ("full", ReuseConfig().method) + (("speccache",) if self.draft is not self.target else ()):
                 run(method, ReuseConfig().recompute_ratio)
         self.load_stats.warmup_s = time.perf_counter() - t
-
-    def selector(self, method: str):
-        """The blend that ``method`` names (``selection.SELECTORS``)."""
-        return SELECTORS[method]
-
-    def hidden_states(self, ops, token_ids: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Every layer's residual stream of a plain prefill of ``token_ids`` (draft scoring, oracle)."""
-        return hidden_states(ops, token_ids)
 
     def _eos_token_ids(self) -> set[int]:
         ids = {self.tokenizer.eos_token_id}

@@ -314,7 +314,7 @@ class RemoteEngine(Engine):
     async def astream(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                       temperature: float = 0.0, top_p: float = 1.0, stop=None, seed: int | None = None,
                       offload=None) -> AsyncIterator[str | GenerationOutput]:
-        """Async text pieces, then this call's ``GenerationOutput`` (as ``matching.astream_text``)."""
+        """Async text pieces, then this call's ``GenerationOutput`` (as ``dropin.astream_text``)."""
         body, method = self._request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, False, offload)
         start = time.perf_counter()
         events = await self._acall(self._aclient().chat.completions.create(

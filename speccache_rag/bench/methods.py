@@ -23,7 +23,7 @@ from ..engine import SpecCacheEngine
 from ..layers import HFLayers
 from ..prompt import RAGPrompt, TokenizedPrompt, sink_token_ids, tokenize_piece
 from ..runner import full_prefill
-from ..selection import Selection, hidden_states
+from ..selection import SELECTORS, Selection, hidden_states
 from ..selection.base import deep_layer_norms
 from ..selection.registry import recompute_picked
 from ..selection.draft_spans import select_by_draft
@@ -135,6 +135,8 @@ class BenchEngine(SpecCacheEngine):
         self._static: dict[tuple[int, str], torch.Tensor] = {}
         self._memo: dict[tuple, dict[int, torch.Tensor]] | None = None
         super().__init__(*args, **kwargs)
+        # the bench's own pipeline: the product's blender with the memo and the experiments plugged in
+        self.blender.hidden_states, self.blender.selector = self.capture, self.selector
         self._draft_sink = sink_token_ids(self.draft_tokenizer, self.sink)
         self._layer_ops = {id(self.target): self.ops, id(self.draft): self.draft_ops}
 
@@ -175,9 +177,6 @@ class BenchEngine(SpecCacheEngine):
             self._memo[key] = cap
         return cap
 
-    def hidden_states(self, ops, token_ids: torch.Tensor) -> dict[int, torch.Tensor]:
-        return self.capture(ops, token_ids)
-
     @contextlib.contextmanager
     def memoized(self):
         """Within: draft and oracle scoring reuse one prefill per (model, prompt), so every r of a method
@@ -191,7 +190,7 @@ class BenchEngine(SpecCacheEngine):
     # ---- selection ----------------------------------------------------------------------------
     def selector(self, method: str):
         if self.variant is None:
-            return super().selector(method)
+            return SELECTORS[method]
 
         def select(sel: Selection, ops=None) -> torch.Tensor:
             return select_by_draft(sel, self._static_scores)

@@ -6,7 +6,8 @@ import sys
 
 from ..chunking import rank_chunks
 from ..config import DRAFT_METHODS, METHODS, GenerationConfig, OffloadConfig, ReuseConfig
-from .common import (DEFAULT_STORE, REUSE_DEFAULTS, UsageError, add_answer_args, add_chunk_args, add_compute_args,
+from ..config import DEFAULT_STORE
+from .common import (REUSE_DEFAULTS, UsageError, add_answer_args, add_chunk_args, add_compute_args,
                      add_model_args, add_store_arg, add_strict_arg, chunk_docs, err, load_engine, read_documents,
                      stats_line, stored)
 

@@ -3,16 +3,13 @@ arguments several commands take."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Sequence
 
 from ..chunking import DEFAULT_CHUNK_TOKENS, MIN_CHUNK_TOKENS, Chunk, chunk_documents, load_documents, token_counter
-from ..config import ReuseConfig
+from ..config import DEFAULT_TARGET, ReuseConfig
 
-DEFAULT_TARGET = "smollm2-135m"
-DEFAULT_STORE = os.path.join(".speccache", "kv")
 DEFAULT_TOP_K = 3
 REUSE_DEFAULTS = ReuseConfig()
 
@@ -55,11 +52,10 @@ def load_engine(args: argparse.Namespace, draft: str | None, store):
     """Load the engine (models come from ``speccache_rag.models.load``)."""
     import torch
 
-    from ..engine import SpecCacheEngine
+    from ..engines import open_engine
 
     t = time.perf_counter()
-    engine = SpecCacheEngine.from_pretrained(target=args.target, draft=draft, store=store, dtype=args.dtype,
-                                             threads=args.threads)
+    engine = open_engine(args.target, draft=draft, store=store, dtype=args.dtype, threads=args.threads)
     pair = args.target if draft in (None, args.target) else f"{args.target} (draft {draft})"
     ls = engine.load_stats
     err(f"loaded {pair} in {time.perf_counter() - t:.1f}s ({engine.dtype}, {torch.get_num_threads()} threads); "

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from .common import (DEFAULT_STORE, DEFAULT_TARGET, add_chunk_args, add_compute_args, add_store_arg, add_strict_arg,
+from ..config import DEFAULT_STORE, DEFAULT_TARGET
+from .common import (add_chunk_args, add_compute_args, add_store_arg, add_strict_arg,
                      chunk_docs, load_engine, precompute_texts, read_documents, skipped_note)
 
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from .common import DEFAULT_STORE, UsageError, add_store_arg
+from ..config import DEFAULT_STORE
+from .common import UsageError, add_store_arg
 
 
 def add_parser(sub) -> None:

@@ -15,13 +15,12 @@ from contextlib import aclosing
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from ..config import DEFAULT_STORE, GenerationConfig, OffloadConfig, ReuseConfig
+from ..config import DEFAULT_STORE, DEFAULT_TARGET, GenerationConfig, OffloadConfig, ReuseConfig
 from ..engines import open_engine
 from ..matching import chunk_index
 from ..output import GenerationOutput, GenerationStats
 from .generate import agenerate_text, astream_text, generate_text, stream_text
 
-DEFAULT_TARGET = "smollm2-135m"
 PER_CALL = ("max_new_tokens", "method", "recompute_ratio", "offload", "temperature", "top_p", "stop", "seed")
 
 Prompt = str | Sequence[dict]       # a completion prompt, or {"role", "content"} messages
