@@ -1,4 +1,4 @@
-"""Resolution and loading: a packaged name, HF directory or .gguf file → converted directory → model + tokenizer."""
+"""Resolution and loading: a packaged name, HF directory, Hub id or .gguf file → local directory → model + tokenizer."""
 from __future__ import annotations
 
 import contextlib
@@ -9,6 +9,7 @@ import torch
 
 from ..hardware import resolve_dtype
 from . import gguf
+from .hub import is_hub_id, snapshot
 from .gguf import GGUF_MAGIC, _dirs, _ensure_converted, _gguf_key, _is_converted, _verify_gguf
 from .registry import PACKAGED, SUPPORTED_MODEL_TYPES, PackagedModel
 
@@ -38,8 +39,9 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
     """A local transformers directory (safetensors + tokenizer + config) for a model.
 
     ``name_or_path`` is a packaged name (see ``PACKAGED``), a Hugging Face model directory (holding
-    ``config.json``; returned as is) or a ``.gguf`` file.  Packaged and GGUF models are converted
-    once into ``cache_home()/models``.
+    ``config.json``; returned as is), a Hub id ``org/name[@revision]`` (its snapshot in the Hugging Face
+    cache, downloaded there unless ``HF_HUB_OFFLINE``; ``hub.py``) or a ``.gguf`` file.  Packaged and GGUF
+    models are converted once into ``cache_home()/models``.
     """
     s = os.fspath(name_or_path)
     if s in PACKAGED:
@@ -72,11 +74,13 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
             return path, sha, info or _verify_gguf(path)
 
         return _ensure_converted(key, get_gguf, {"name": key, "gguf_source": str(path)})
+    if is_hub_id(s):
+        return snapshot(s)
     if path.suffix.lower() == ".gguf" or os.sep in s or "/" in s:
-        raise FileNotFoundError(f"no such model file or directory: {s}")
+        raise FileNotFoundError(f"no such model file or directory: {s} (nor a Hugging Face id, org/name[@revision])")
     raise ValueError(
         f"unknown model {s!r}: not a packaged model name ({', '.join(PACKAGED)}), "
-        f"a model directory or a .gguf file"
+        f"a Hugging Face id (org/name[@revision]), a model directory or a .gguf file"
     )
 
 

@@ -35,9 +35,9 @@ def _dir_signature(model_dir: Path) -> list:
 @functools.lru_cache(maxsize=16)
 def fingerprint_for(model_dir: str, dtype: str, sink: str) -> str:
     """``model_fingerprint`` of the HF model in ``model_dir`` at ``dtype`` (e.g. "float32"), cached on disk."""
-    from ..models import cache_home, load
+    from ..models import cache_home, load, resolve
 
-    path = Path(model_dir).resolve()
+    path = resolve(model_dir).resolve()      # vLLM may serve a Hub id: its snapshot in the Hugging Face cache
     ident = json.dumps({"dir": str(path), "files": _dir_signature(path), "dtype": dtype, "sink": sink,
                         "layout": KV_LAYOUT_VERSION}, sort_keys=True)
     cache = cache_home() / "fingerprints" / f"{hashlib.sha256(ident.encode()).hexdigest()[:32]}.json"
