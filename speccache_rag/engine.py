@@ -15,7 +15,7 @@ from .blend import Blender
 from .engines import engine_class
 from . import neighbors
 from .kv import ChunkKV, chunk_key, model_fingerprint
-from .layers import HFLayers
+from .layers import HFLayers, attention_span
 from .offload import OffloadDecoder
 from .output import GenerationOutput, GenerationStats, GenerationStream, LoadStats
 from .prompt import RAGPrompt, TokenizedPrompt, render, sink_token_ids, tokenize_piece
@@ -45,7 +45,7 @@ class SpecCacheEngine(Engine):
         self.fill_misses = fill_misses
         self.name = name or getattr(target.config, "_name_or_path", "") or target.config.model_type
         self.fingerprint = model_fingerprint(target, tokenizer, sink)
-        self.context_window = target.config.max_position_embeddings
+        self.context_window = attention_span(target.config)
         self.dtype = dtype_name(next(target.parameters()).dtype)
         self.blender = Blender(self.ops, self.store, self.fingerprint, sink_token_ids(tokenizer, sink),
                                draft=lambda: (self.draft_ops, self.draft_tokenizer), sink=sink)

@@ -1,4 +1,4 @@
-"""Layer operations: the few model-specific steps the runner drives, for HF llama/qwen2 modules.
+"""Layer operations: the few model-specific steps the runner drives, for HF llama/qwen2/qwen3/mistral modules.
 
 :func:`speccache_rag.runner.run_layers` is the one layer loop and the one attention (SDPA, causal by
 true position, K/V written before attending). What differs between model implementations — where
@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-SUPPORTED_ARCHS = ("llama", "qwen2")
+from .models.registry import SUPPORTED_MODEL_TYPES as SUPPORTED_ARCHS
 
 
 class LayerOps(Protocol):
@@ -44,11 +44,22 @@ class LayerOps(Protocol):
 
 
 def check_arch(model) -> None:
-    arch = model.config.model_type
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"architecture {arch!r} is not supported by the runner (supported: {', '.join(SUPPORTED_ARCHS)})")
-    if getattr(model.config, "use_sliding_window", False):
-        raise ValueError("sliding-window attention is not supported by the runner")
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_ARCHS:
+        raise ValueError(f"architecture {cfg.model_type!r} is not supported by the runner "
+                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+    if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention" for t in getattr(cfg, "layer_types", None)
+                                                         or ()):
+        raise ValueError("sliding-window attention on some layers is not supported by the runner")
+
+
+def attention_span(config) -> int:
+    """The longest prompt the runner reproduces exactly: a window every layer shares (Mistral's
+    ``sliding_window``) bounds it, since within it a windowed layer attends to everything, as full prefill."""
+    span = config.max_position_embeddings
+    if config.model_type == "mistral" and getattr(config, "sliding_window", None):
+        span = min(span, config.sliding_window)
+    return span
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -62,7 +73,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class HFLayers:
-    """LayerOps over a transformers ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``."""
+    """LayerOps over a transformers ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` or
+    ``MistralForCausalLM``."""
 
     def __init__(self, model):
         check_arch(model)
@@ -74,6 +86,7 @@ class HFLayers:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.dtype = next(model.parameters()).dtype
         self.scaling = self.blocks[0].self_attn.scaling
+        self.qk_norm = hasattr(self.blocks[0].self_attn, "q_norm")
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.model.embed_tokens(token_ids)
@@ -86,8 +99,11 @@ class HFLayers:
         block, S = self.blocks[layer], h.shape[0]
         attn = block.self_attn
         x = block.input_layernorm(h)
-        q = attn.q_proj(x).view(S, -1, self.head_dim).transpose(0, 1)
-        k = attn.k_proj(x).view(S, -1, self.head_dim).transpose(0, 1)
+        q = attn.q_proj(x).view(S, -1, self.head_dim)
+        k = attn.k_proj(x).view(S, -1, self.head_dim)
+        if self.qk_norm:                            # qwen3: per-head RMSNorm of q and k, before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(0, 1), k.transpose(0, 1)
         v = attn.v_proj(x).view(S, -1, self.head_dim).transpose(0, 1)
         return apply_rope(q, *rope), k, apply_rope(k, *rope), v
 

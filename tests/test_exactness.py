@@ -22,7 +22,10 @@ CHUNKS = [
 QUESTION = "In which year was the founder of Zorblat Industries born?"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_runner_matches_transformers(arch):
     model, _ = tiny_random_model(arch, tokenizer=_FakeTok())
     ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(0))
@@ -127,3 +130,43 @@ class _FakeTok:
 
     def __len__(self):
         return 1000
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_every_method_at_ratio_one_equals_full_prefill_on_each_architecture(arch):
+    """The guard on a tiny random-weight model of each architecture added after llama/qwen2 (float32)."""
+    model, tok = tiny_random_model(arch)
+    engine = SpecCacheEngine(model, tok, store="memory://")
+    assert engine.load_stats.gate_methods and not engine.load_stats.gate_failed     # the gate ran on it too
+    prompt = RAGPrompt(chunks=CHUNKS, question=QUESTION)
+    engine.precompute(CHUNKS)
+    full = engine.generate(prompt, max_new_tokens=6, reuse=ReuseConfig(method="full"), return_first_logits=True)
+    for method in ALL_BUT_REUSE[1:]:
+        out = engine.generate(prompt, max_new_tokens=6, reuse=ReuseConfig(method=method, recompute_ratio=1.0),
+                              return_first_logits=True)
+        assert out.stats.reused_tokens == 0 and out.token_ids == full.token_ids, method
+        torch.testing.assert_close(out.first_logits, full.first_logits, **LOGIT_TOL[torch.float32])
+    reused = engine.generate(prompt, max_new_tokens=1, reuse=ReuseConfig(method="reuse"), return_first_logits=True)
+    assert reused.stats.reused_tokens > 0
+    assert (reused.first_logits - full.first_logits).abs().max() > 1e-3             # reuse alone is not exact
+
+
+def test_a_window_every_layer_shares_bounds_the_context():
+    from transformers import MistralConfig
+
+    from speccache_rag.layers import attention_span
+
+    assert attention_span(MistralConfig(sliding_window=4096, max_position_embeddings=32768)) == 4096
+    assert attention_span(MistralConfig(sliding_window=None, max_position_embeddings=32768)) == 32768
+
+
+def test_sliding_windows_on_some_layers_are_refused():
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from speccache_rag.layers import HFLayers
+
+    cfg = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, use_sliding_window=True, sliding_window=4,
+                      max_window_layers=1)
+    with pytest.raises(ValueError, match="sliding-window"):
+        HFLayers(AutoModelForCausalLM.from_config(cfg))

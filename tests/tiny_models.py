@@ -7,15 +7,16 @@ from speccache_rag.models import load_tokenizer
 def tiny_random_model(arch: str = "llama", seed: int = 0, *, num_layers: int = 4, hidden_size: int = 64,
                       num_heads: int = 4, num_kv_heads: int = 2, dtype: torch.dtype = torch.float32,
                       tokenizer=None):
-    """A small random-weight ``llama`` or ``qwen2`` model with the real SmolLM2 tokenizer.
+    """A small random-weight ``llama``, ``qwen2``, ``qwen3`` or ``mistral`` model with the real SmolLM2 tokenizer.
 
     For shape and exactness tests only (never quality claims).  Deterministic in ``seed``; the
     global RNG state is left untouched.  Pass ``tokenizer`` to skip loading SmolLM2's.
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
+    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
+    if arch not in configs:
+        raise ValueError(f"arch must be one of {', '.join(configs)}, got {arch!r}")
     if tokenizer is None:
         tokenizer = load_tokenizer("smollm2-135m")
     common = dict(
@@ -34,7 +35,9 @@ def tiny_random_model(arch: str = "llama", seed: int = 0, *, num_layers: int = 4
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    config = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common)
+    if arch == "mistral":
+        common["sliding_window"] = None          # a window beyond the prompt: tested apart
+    config = configs[arch](**common)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
