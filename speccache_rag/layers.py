@@ -1,4 +1,4 @@
-"""Layer operations: the few model-specific steps the runner drives, for HF llama/qwen2/qwen3/mistral modules.
+"""Layer operations: the few model-specific steps the runner drives, for HF llama/qwen2/qwen3/mistral/phi3 modules.
 
 :func:`speccache_rag.runner.run_layers` is the one layer loop and the one attention (SDPA, causal by
 true position, K/V written before attending). What differs between model implementations — where
@@ -54,10 +54,10 @@ def check_arch(model) -> None:
 
 
 def attention_span(config) -> int:
-    """The longest prompt the runner reproduces exactly: a window every layer shares (Mistral's
+    """The longest prompt the runner reproduces exactly: a window every layer shares (Mistral's and Phi-3's
     ``sliding_window``) bounds it, since within it a windowed layer attends to everything, as full prefill."""
     span = config.max_position_embeddings
-    if config.model_type == "mistral" and getattr(config, "sliding_window", None):
+    if config.model_type in ("mistral", "phi3") and getattr(config, "sliding_window", None):
         span = min(span, config.sliding_window)
     return span
 
@@ -68,13 +68,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [..., S, head_dim]; cos, sin: [S, head_dim]."""
+    """x: [..., S, head_dim]; cos, sin: [S, rotary dims] — fewer than head_dim under a partial rotary factor
+    (phi3 variants), whose remaining dims pass unrotated."""
+    d = cos.shape[-1]
+    if d < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :d], cos, sin), x[..., d:]], dim=-1)
     return x * cos + rotate_half(x) * sin
 
 
 class HFLayers:
-    """LayerOps over a transformers ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` or
-    ``MistralForCausalLM``."""
+    """LayerOps over a transformers ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+    ``MistralForCausalLM`` or ``Phi3ForCausalLM``."""
 
     def __init__(self, model):
         check_arch(model)
@@ -87,6 +91,9 @@ class HFLayers:
         self.dtype = next(model.parameters()).dtype
         self.scaling = self.blocks[0].self_attn.scaling
         self.qk_norm = hasattr(self.blocks[0].self_attn, "q_norm")
+        self.fused_qkv = hasattr(self.blocks[0].self_attn, "qkv_proj")
+        kv = self.num_kv_heads * self.head_dim
+        self.qkv_sizes = [cfg.num_attention_heads * self.head_dim, kv, kv]
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.model.embed_tokens(token_ids)
@@ -99,12 +106,15 @@ class HFLayers:
         block, S = self.blocks[layer], h.shape[0]
         attn = block.self_attn
         x = block.input_layernorm(h)
-        q = attn.q_proj(x).view(S, -1, self.head_dim)
-        k = attn.k_proj(x).view(S, -1, self.head_dim)
+        if self.fused_qkv:                          # phi3: one projection, split as HF does
+            q, k, v = attn.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        q, k = q.view(S, -1, self.head_dim), k.view(S, -1, self.head_dim)
         if self.qk_norm:                            # qwen3: per-head RMSNorm of q and k, before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = q.transpose(0, 1), k.transpose(0, 1)
-        v = attn.v_proj(x).view(S, -1, self.head_dim).transpose(0, 1)
+        v = v.view(S, -1, self.head_dim).transpose(0, 1)
         return apply_rope(q, *rope), k, apply_rope(k, *rope), v
 
     def attention_output(self, layer: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:

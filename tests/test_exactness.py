@@ -22,7 +22,7 @@ CHUNKS = [
 QUESTION = "In which year was the founder of Zorblat Industries born?"
 
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "phi3"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -132,7 +132,7 @@ class _FakeTok:
         return 1000
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "phi3"])
 def test_every_method_at_ratio_one_equals_full_prefill_on_each_architecture(arch):
     """The guard on a tiny random-weight model of each architecture added after llama/qwen2 (float32)."""
     model, tok = tiny_random_model(arch)

@@ -7,14 +7,15 @@ from speccache_rag.models import load_tokenizer
 def tiny_random_model(arch: str = "llama", seed: int = 0, *, num_layers: int = 4, hidden_size: int = 64,
                       num_heads: int = 4, num_kv_heads: int = 2, dtype: torch.dtype = torch.float32,
                       tokenizer=None):
-    """A small random-weight ``llama``, ``qwen2``, ``qwen3`` or ``mistral`` model with the real SmolLM2 tokenizer.
+    """A small random-weight ``llama``, ``qwen2``, ``qwen3``, ``mistral`` or ``phi3`` model with the real SmolLM2 tokenizer.
 
     For shape and exactness tests only (never quality claims).  Deterministic in ``seed``; the
     global RNG state is left untouched.  Pass ``tokenizer`` to skip loading SmolLM2's.
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
-    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
+    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
+               "phi3": Phi3Config}
     if arch not in configs:
         raise ValueError(f"arch must be one of {', '.join(configs)}, got {arch!r}")
     if tokenizer is None:
@@ -35,8 +36,10 @@ def tiny_random_model(arch: str = "llama", seed: int = 0, *, num_layers: int = 4
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    if arch == "mistral":
+    if arch in ("mistral", "phi3"):
         common["sliding_window"] = None          # a window beyond the prompt: tested apart
+    if arch == "phi3":
+        common["rope_parameters"]["partial_rotary_factor"] = 0.5     # Phi-4-mini style: half the dims rotate
     config = configs[arch](**common)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
