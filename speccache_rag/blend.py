@@ -52,7 +52,7 @@ class Blender:
         """The chunk prefilled alone (after the sink tokens, whose entries are dropped), keys before RoPE;
         with ``context_ids``, after those too (a variant: ``neighbors.py``; ``context``: their plain keys)."""
         head = self.sink_ids + list(context_ids)
-        cache, _ = full_prefill(self.ops, torch.tensor(head + list(token_ids)), keep_pre_rope=True)
+        cache, _ = full_prefill(self.ops, torch.tensor(head + list(token_ids), device=self.ops.device), keep_pre_rope=True)
         entry = chunk_entry(cache, len(head), len(head) + len(token_ids), token_ids, key, text, self.fingerprint)
         if context_ids:
             entry.meta.update(context_ids=list(context_ids), context=list(context))
@@ -76,7 +76,7 @@ class Blender:
         a prefix of the entry's: by causality the KV of a chunk's first tokens does not depend on the rest).
         neighbors: which variant with ingestion-time context to read, where the store holds some
         (``neighbors.choose``); the plain entry where none fits or the variant is gone."""
-        reusable = torch.zeros(len(tokens), dtype=torch.bool)
+        reusable = torch.zeros(len(tokens), dtype=torch.bool, device=self.ops.device)
         missed = []
         segs = [s for s in tokens.chunk_segments() if s.end > s.start]  # vllm serve's spans may hold empty ones
         plain = {s.start: (keys or {}).get(s.start) or chunk_key(self.fingerprint, tokens.token_ids[s.start:s.end])
@@ -96,9 +96,10 @@ class Blender:
                 missed.append(seg)
                 continue
             stats.cache_hits += 1
-            positions = torch.arange(seg.start, seg.end)
-            cache.k[:, :, seg.start:seg.end] = self.ops.rotate(entry.k[:, :, :n].to(cache.k.dtype), positions)
-            cache.v[:, :, seg.start:seg.end] = entry.v[:, :, :n].to(cache.v.dtype)
+            positions = torch.arange(seg.start, seg.end, device=self.ops.device)
+            # stored KV lives on the host: it moves to the model's device once, here
+            cache.k[:, :, seg.start:seg.end] = self.ops.rotate(entry.k[:, :, :n].to(cache.k), positions)
+            cache.v[:, :, seg.start:seg.end] = entry.v[:, :, :n].to(cache.v)
             reusable[seg.start:seg.end] = True
         return reusable, missed
 
@@ -112,9 +113,10 @@ class Blender:
             reuse, stats.method = ReuseConfig(method="full"), "full"
         if reuse.method == "full":
             t = time.perf_counter()
-            logits = prefill(self.ops, cache, tokens.ids, torch.arange(n))
+            everything = torch.arange(n, device=self.ops.device)
+            logits = prefill(self.ops, cache, tokens.ids, everything)
             stats.recompute_s, stats.recomputed_tokens = time.perf_counter() - t, n
-            return Blended(logits, torch.arange(n), [])
+            return Blended(logits, everything, [])
 
         t = time.perf_counter()
         reusable, missed = self.load(tokens, cache, stats, keys, reuse.neighbors)
@@ -144,5 +146,6 @@ def chunk_entry(cache: KVCache, start: int, end: int, token_ids: list[int], key:
                 fingerprint: str) -> ChunkKV:
     """Positions [start, end) of a cache filled with ``keep_pre_rope`` as a store entry. The model
     fingerprint rides along so that ``speccache-rag store verify`` can name entries of unknown models."""
-    return ChunkKV(key, list(token_ids), cache.k_pre[:, :, start:end].clone(), cache.v[:, :, start:end].clone(),
+    host = dict(device="cpu", copy=True)          # the store keeps host tensors, whatever device computed them
+    return ChunkKV(key, list(token_ids), cache.k_pre[:, :, start:end].to(**host), cache.v[:, :, start:end].to(**host),
                    meta={"text": text, "fingerprint": fingerprint})

@@ -10,7 +10,7 @@ import torch
 
 from .config import DEFAULT_STORE, GenerationConfig, OffloadConfig, ReuseConfig
 from .contract import Engine, check_sink, chunk_texts
-from .hardware import configure_threads, dtype_name, resolve_dtype
+from .hardware import check_device, configure_threads, dtype_name, resolve_dtype
 from .blend import Blender
 from .engines import engine_class
 from . import neighbors
@@ -60,13 +60,18 @@ class SpecCacheEngine(Engine):
     @classmethod
     def from_pretrained(cls, target: str, draft: str | None = None, store: KVStore | str = DEFAULT_STORE,
                         backend: str = "torch", dtype: torch.dtype | str = "auto", threads: int | None = None,
+                        device: str | torch.device | None = None, draft_device: str | torch.device | None = None,
                         **kwargs) -> "SpecCacheEngine":
         """target/draft: a packaged name ("smollm2-135m", "qwen2.5-coder-0.5b", …), an HF directory or a .gguf
         file; draft=None scores with the target itself. store: a directory, "memory://" or "redis://…".
         dtype: "auto" (bfloat16 where the hardware computes it natively, else float32), or a dtype.
-        threads: torch intra-op threads (default: $SPECCACHE_THREADS, $OMP_NUM_THREADS, or the usable cores)."""
+        threads: torch intra-op threads (default: $SPECCACHE_THREADS, $OMP_NUM_THREADS, or the usable cores).
+        device: where the target computes (default: CUDA where there is one, else the CPU); draft_device: the
+        draft's (default: the target's). Stored KV stays on the host and moves to the device once per chunk."""
         configure_threads(threads)
-        dtype = resolve_dtype(dtype)
+        device = check_device(device)
+        draft_device = check_device(draft_device) if draft_device is not None else device
+        dtype = resolve_dtype(dtype, device)
         if backend != "torch":    # by name (engines.BACKENDS): vllm is an optional extra above this module
             if backend == "remote":
                 raise ValueError("a remote engine is opened by engines.open_engine(target, base_url=...)")
@@ -75,7 +80,10 @@ class SpecCacheEngine(Engine):
 
         t = time.perf_counter()
         model, tok = load(target, dtype=dtype)
+        model.to(device)
         draft_model, draft_tok = (None, None) if draft in (None, target) else load(draft, dtype=dtype)
+        if draft_model is not None:
+            draft_model.to(draft_device)
         loaded = time.perf_counter() - t
         engine = cls(model, tok, store=store, draft=draft_model, draft_tokenizer=draft_tok, name=target, **kwargs)
         engine.load_stats.model_load_s = loaded

@@ -57,6 +57,24 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     return str(resolve_dtype(dtype)).removeprefix("torch.")
 
 
+def default_device() -> torch.device:
+    """CUDA where there is one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check_device(device: str | torch.device | None) -> torch.device:
+    """``device`` (None: ``default_device()``), refused with a clear error where this machine has no such device."""
+    device = default_device() if device is None else torch.device(device)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise ValueError(f"device {device} is not available here: {count} CUDA device(s) "
+                             f"(torch {torch.__version__}{'' if torch.version.cuda else ', a CPU build'})")
+    elif device.type not in ("cpu", "meta"):
+        raise ValueError(f"unsupported device {device}: cpu or cuda[:N]")
+    return device
+
+
 def usable_cores() -> int:
     """Cores this process may run on (its CPU affinity), not every core of the machine."""
     try:

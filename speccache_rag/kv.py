@@ -109,10 +109,10 @@ def chunk_key(fingerprint: str, token_ids: list[int], context_ids: list[int] = (
     """Content address of a chunk's KV: the model fingerprint plus the exact token ids, and for a chunk
     prefilled after ingestion-time context (``neighbors.py``) that context's token ids."""
     h = hashlib.sha256(fingerprint.encode())
-    h.update(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes())
+    h.update(torch.tensor(token_ids, dtype=torch.int64, device="cpu").numpy().tobytes())
     if context_ids:
         h.update(b"context")
-        h.update(torch.tensor(context_ids, dtype=torch.int64).numpy().tobytes())
+        h.update(torch.tensor(context_ids, dtype=torch.int64, device="cpu").numpy().tobytes())
     return h.hexdigest()
 
 
@@ -135,5 +135,5 @@ def model_fingerprint(model, tokenizer, sink: str) -> str:
     if sink == "prefix":                    # the prefix itself is part of every key
         from .prompt import sink_token_ids
 
-        h.update(torch.tensor(sink_token_ids(tokenizer, sink), dtype=torch.int64).numpy().tobytes())
+        h.update(torch.tensor(sink_token_ids(tokenizer, sink), dtype=torch.int64, device="cpu").numpy().tobytes())
     return h.hexdigest()

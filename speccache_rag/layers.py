@@ -22,6 +22,7 @@ class LayerOps(Protocol):
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    device: torch.device            # where the model's weights are: every tensor the pipeline makes goes there
     scaling: float                  # softmax scale of the attention
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -89,6 +90,7 @@ class HFLayers:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
         self.scaling = self.blocks[0].self_attn.scaling
         self.qk_norm = hasattr(self.blocks[0].self_attn, "q_norm")
         self.fused_qkv = hasattr(self.blocks[0].self_attn, "qkv_proj")

@@ -63,7 +63,7 @@ class TokenizedPrompt:
 
     @property
     def ids(self) -> torch.Tensor:
-        return torch.tensor(self.token_ids, dtype=torch.long)
+        return torch.tensor(self.token_ids, dtype=torch.long, device="cpu")   # host-side: the runner moves it
 
     def chunk_segments(self) -> list[Segment]:
         return [s for s in self.segments if s.chunk is not None]

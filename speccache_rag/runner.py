@@ -33,7 +33,7 @@ class KVCache:
 
     @classmethod
     def empty(cls, ops: LayerOps, capacity: int, keep_pre_rope: bool = False) -> "KVCache":
-        k = torch.zeros((ops.num_layers, ops.num_kv_heads, capacity, ops.head_dim), dtype=ops.dtype)
+        k = torch.zeros((ops.num_layers, ops.num_kv_heads, capacity, ops.head_dim), dtype=ops.dtype, device=ops.device)
         return cls(k=k, v=torch.zeros_like(k), k_pre=torch.zeros_like(k) if keep_pre_rope else None)
 
     def write(self, layer: int, positions: torch.Tensor, k_pre: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -70,10 +70,11 @@ def run_layers(ops: LayerOps, cache: LayerCache, h: torch.Tensor, positions: tor
     each layer's queries and keys (SDPA does not return attention weights).
     """
     layers = range(ops.num_layers) if layers is None else layers
+    positions = positions.to(ops.device)        # host-side bookkeeping may hand them in from the CPU
     num_keys = int(positions.max()) + 1
     # Sorted distinct positions that fill [0, T) are a plain prefill: the fused causal kernel is ~2x faster.
     dense = positions.numel() == num_keys
-    mask = None if dense else torch.arange(num_keys)[None, :] <= positions[:, None]   # [S, T]
+    mask = None if dense else torch.arange(num_keys, device=positions.device)[None, :] <= positions[:, None]   # [S, T]
     rope = ops.rope(positions, h)
     S = h.shape[0]
     for i in layers:
@@ -94,7 +95,7 @@ def run_layers(ops: LayerOps, cache: LayerCache, h: torch.Tensor, positions: tor
 def prefill(ops: LayerOps, cache: KVCache, token_ids: torch.Tensor, positions: torch.Tensor,
             capture: dict[int, torch.Tensor] | None = None, observe: Observer | None = None) -> torch.Tensor | None:
     """Recompute ``token_ids`` at ``positions`` through every layer; returns the last one's logits."""
-    h = run_layers(ops, cache, ops.embed(token_ids), positions, capture=capture, observe=observe)
+    h = run_layers(ops, cache, ops.embed(token_ids.to(ops.device)), positions, capture=capture, observe=observe)
     return ops.logits(h[-1])
 
 
@@ -104,9 +105,9 @@ def full_prefill(ops: LayerOps, token_ids: torch.Tensor, capacity: int | None = 
     """Plain prefill of token_ids [N] at positions 0..N-1 → (cache, last-token logits)."""
     n = token_ids.shape[0]
     cache = KVCache.empty(ops, capacity or n, keep_pre_rope=keep_pre_rope)
-    return cache, prefill(ops, cache, token_ids, torch.arange(n), capture=capture, observe=observe)
+    return cache, prefill(ops, cache, token_ids, torch.arange(n, device=ops.device), capture=capture, observe=observe)
 
 
 def decode_one(ops: LayerOps, cache: KVCache, token_id: int, position: int) -> torch.Tensor:
     """Append one token at ``position`` → logits for the next one."""
-    return prefill(ops, cache, torch.tensor([token_id]), torch.tensor([position]))
+    return prefill(ops, cache, torch.tensor([token_id], device=ops.device), torch.tensor([position], device=ops.device))

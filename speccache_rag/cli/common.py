@@ -55,7 +55,8 @@ def load_engine(args: argparse.Namespace, draft: str | None, store):
     from ..engines import open_engine
 
     t = time.perf_counter()
-    engine = open_engine(args.target, draft=draft, store=store, dtype=args.dtype, threads=args.threads)
+    engine = open_engine(args.target, draft=draft, store=store, dtype=args.dtype, threads=args.threads,
+                         device=getattr(args, "device", None))
     pair = args.target if draft in (None, args.target) else f"{args.target} (draft {draft})"
     ls = engine.load_stats
     err(f"loaded {pair} in {time.perf_counter() - t:.1f}s ({engine.dtype}, {torch.get_num_threads()} threads); "
@@ -132,6 +133,8 @@ def add_compute_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype; auto = bfloat16 where the CPU/GPU computes it natively (default: auto)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="torch threads (default: $SPECCACHE_THREADS, $OMP_NUM_THREADS, or the usable cores)")
+    p.add_argument("--device", default=None, metavar="DEVICE",
+                   help="where the models compute: cpu, cuda, cuda:1 … (default: CUDA where there is one, else cpu)")
 
 
 def add_chunk_args(p: argparse.ArgumentParser) -> None:

@@ -35,6 +35,7 @@ class DropInSettings:
     store: Any = DEFAULT_STORE              # remote mode: None, or the server's store to read its text index
     backend: str | None = None              # None: "remote" with a base_url, else "torch"
     dtype: str = "auto"
+    device: str | None = None               # None: CUDA where there is one, else the CPU (torch backend)
     method: str = ReuseConfig.method
     recompute_ratio: float | str = ReuseConfig.recompute_ratio
     offload: str | OffloadConfig | None = None
@@ -68,7 +69,7 @@ class DropInSettings:
     def open_engine(self) -> Any:
         limits = {"timeout": self.timeout, "max_retries": self.max_retries}
         return open_engine(self.target, draft=self.draft, store=self.store, backend=self.backend, dtype=self.dtype,
-                           base_url=self.base_url, api_key=self.api_key,
+                           device=self.device, base_url=self.base_url, api_key=self.api_key,
                            **{k: v for k, v in limits.items() if v is not None})
 
     def generate_kwargs(self, **call: Any) -> dict:

@@ -29,6 +29,8 @@ class DropInFields(BaseModel):
                                    "implies 'remote'.")
     dtype: str = Field(default=DropInSettings.dtype, description="Compute dtype: auto (bfloat16 where the hardware "
                        "computes it natively, else float32), bfloat16 or float32.")
+    device: Optional[str] = Field(default=None, description="Where the models compute (torch backend): cpu, cuda, "
+                                  "cuda:1 …; None: CUDA where there is one, else the CPU.")
     method: str = Field(default=DropInSettings.method,
                         description="Reuse method: qattn, speccache, norm, cacheblend, epic, reuse, full …")
     recompute_ratio: Union[float, Literal["auto"]] = Field(

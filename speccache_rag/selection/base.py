@@ -51,6 +51,11 @@ class Selection:
     def reusable_positions(self) -> torch.Tensor:
         return self.reusable.nonzero().flatten()
 
+    @property
+    def device(self) -> torch.device:
+        """The target's device: where every position tensor of the selection lives."""
+        return self.reusable.device
+
 
 def budget_for(ratio: float | str, num_reusable: int, config: ReuseConfig | None = None) -> int:
     """How many of ``num_reusable`` tokens a ratio recomputes; for ``"auto"``, the upper bound of its range."""

@@ -18,7 +18,8 @@ def cacheblend_prefill(ops, cache: KVCache, sel: Selection, always: torch.Tensor
     c = min(sel.config.cacheblend_check_layer, ops.num_layers - 1)
     n = len(sel.tokens)
     v_cached = cache.v[c, :, :n].clone()                                    # [KVH, N, D]
-    h = run_layers(ops, cache, ops.embed(sel.tokens.ids), torch.arange(n), layers=range(c + 1))
+    h = run_layers(ops, cache, ops.embed(sel.tokens.ids.to(sel.device)), torch.arange(n, device=sel.device),
+                   layers=range(c + 1))
     # float32: bfloat16 squared distances keep ~3 digits and tie near the top-r threshold
     deviation = (cache.v[c, :, :n].float() - v_cached.float()).pow(2).sum(dim=(0, 2))      # [N]
     candidates = sel.reusable_positions

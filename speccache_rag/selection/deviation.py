@@ -24,13 +24,13 @@ def deviation_scores(sel: Selection, draft_tokens: TokenizedPrompt) -> torch.Ten
     draft = sel.draft
     layers = deep_layers(draft.num_layers, sel.config.draft_layers)
     in_prompt = sel.hidden_states(draft, draft_tokens.ids)
-    sink = torch.tensor(sink_token_ids(sel.draft_tokenizer, sel.sink), dtype=torch.long)
+    sink = torch.tensor(sink_token_ids(sel.draft_tokenizer, sel.sink), dtype=torch.long, device=draft.device)
     reused = sel.reused_chunks()
-    scores = torch.zeros(len(draft_tokens))
+    scores = torch.zeros(len(draft_tokens), device=draft.device)
     for seg in draft_tokens.chunk_segments():
         if seg.chunk not in reused or seg.end == seg.start:
             continue
-        alone = sel.hidden_states(draft, torch.cat([sink, draft_tokens.ids[seg.start:seg.end]]))
+        alone = sel.hidden_states(draft, torch.cat([sink, draft_tokens.ids[seg.start:seg.end].to(draft.device)]))
         moved = [(in_prompt[i][seg.start:seg.end].float() - alone[i][sink.numel():].float()).norm(dim=-1)
                  for i in layers]
         scores[seg.start:seg.end] = torch.stack(moved).mean(0)

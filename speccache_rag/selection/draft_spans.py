@@ -16,6 +16,8 @@ import torch
 from ..prompt import TokenizedPrompt
 from .base import Selection, adaptive_budget, budget_for
 
+HOST = "cpu"        # where the draft→target mapping runs: small index arithmetic, whatever the models' devices
+
 
 def span_ids(scores: torch.Tensor, candidates: torch.Tensor, chunk_start: torch.Tensor, tau_smooth: float,
              max_span: int) -> torch.Tensor:
@@ -27,7 +29,7 @@ def span_ids(scores: torch.Tensor, candidates: torch.Tensor, chunk_start: torch.
     s = scores[candidates]
     prev = scores[(candidates - 1).clamp_min(0)]
     cut = chunk_start | ((s - prev).abs() / prev.abs().clamp_min(1e-6) > tau_smooth)
-    idx = torch.arange(candidates.numel())
+    idx = torch.arange(candidates.numel(), device=HOST)
     first = idx[cut]                                                          # start of each smooth run
     offset = idx - first[cut.long().cumsum(0) - 1]                            # index within its run
     return (cut | (offset % max_span == 0)).long().cumsum(0) - 1
@@ -55,7 +57,7 @@ def expand(scores: torch.Tensor, spans: torch.Tensor | None, k: int, tau_cover: 
 
 
 def _offsets(seg) -> torch.Tensor:
-    return torch.tensor(seg.offsets, dtype=torch.long).reshape(-1, 2)
+    return torch.tensor(seg.offsets, dtype=torch.long, device=HOST).reshape(-1, 2)
 
 
 def map_to_target(draft_tokens: TokenizedPrompt, target_tokens: TokenizedPrompt) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,14 +74,14 @@ def map_to_target(draft_tokens: TokenizedPrompt, target_tokens: TokenizedPrompt)
         lo = torch.searchsorted(t[:, 1].cummax(0).values.contiguous(), d[:, 0].contiguous(), right=True)
         hi = torch.searchsorted(t[:, 0].cummax(0).values.contiguous(), d[:, 1].contiguous(), right=False)
         count = (hi - lo).clamp_min(0) * (d[:, 0] < d[:, 1])
-        dj = torch.repeat_interleave(torch.arange(d.shape[0]), count)
+        dj = torch.repeat_interleave(torch.arange(d.shape[0], device=HOST), count)
         starts = torch.repeat_interleave(lo, count)
-        tj = starts + torch.arange(dj.numel()) - torch.repeat_interleave(count.cumsum(0) - count, count)
+        tj = starts + torch.arange(dj.numel(), device=HOST) - torch.repeat_interleave(count.cumsum(0) - count, count)
         ok = (t[tj, 0] < d[dj, 1]) & (d[dj, 0] < t[tj, 1]) & (t[tj, 0] < t[tj, 1])
         pairs_d.append(dj[ok] + ds.start)
         pairs_t.append(tj[ok] + ts.start)
     if not pairs_d:
-        return torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
+        return torch.empty(0, dtype=torch.long, device=HOST), torch.empty(0, dtype=torch.long, device=HOST)
     return torch.cat(pairs_d), torch.cat(pairs_t)
 
 
@@ -100,30 +102,33 @@ def select_by_draft_scores(sel: Selection, draft_tokens: TokenizedPrompt, scores
     reused = sel.reused_chunks()
     segs = [s for s in draft_tokens.chunk_segments() if s.chunk in reused and s.end > s.start]
     if not segs or sel.budget == 0:
-        return torch.empty(0, dtype=torch.long)
-    candidates = torch.cat([torch.arange(s.start, s.end) for s in segs])                # [C] draft positions
-    chunk_start = torch.zeros(candidates.numel(), dtype=torch.bool)
-    chunk_start[torch.tensor([0] + [s.end - s.start for s in segs[:-1]]).cumsum(0)] = True
+        return torch.empty(0, dtype=torch.long, device=sel.device)
+    # index bookkeeping on the host: the draft's scores may come from another device than the target's
+    scores, reusable = scores.to(HOST), sel.reusable.to(HOST)
+    candidates = torch.cat([torch.arange(s.start, s.end, device=HOST) for s in segs])   # [C] draft positions
+    chunk_start = torch.zeros(candidates.numel(), dtype=torch.bool, device=HOST)
+    chunk_start[torch.tensor([0] + [s.end - s.start for s in segs[:-1]], device=HOST).cumsum(0)] = True
     spans = (span_ids(scores, candidates, chunk_start, cfg.tau_smooth, cfg.max_span)
              if cfg.span_rule == "smooth" else None)
     k = adaptive_budget(scores[candidates], cfg)
     budget = sel.budget if cfg.recompute_ratio != "auto" else min(sel.budget, budget_for(
-        k / candidates.numel(), int(sel.reusable.sum())))
+        k / candidates.numel(), int(reusable.sum())))
     priority = candidates[expand(scores[candidates], spans, k, cfg.tau_cover)]        # draft positions, best first
 
     # Walk the priority order through the draft→target pairs; a target position counts at its first pair.
     pd, pt = map_to_target(draft_tokens, sel.tokens)
-    keep = sel.reusable[pt]
+    keep = reusable[pt]
     pd, pt = pd[keep], pt[keep]
-    rank_of_draft = torch.full((len(draft_tokens),), priority.numel(), dtype=torch.long)
-    rank_of_draft[priority] = torch.arange(priority.numel())
+    rank_of_draft = torch.full((len(draft_tokens),), priority.numel(), dtype=torch.long, device=HOST)
+    rank_of_draft[priority] = torch.arange(priority.numel(), device=HOST)
     n = len(sel.tokens)
-    first = torch.full((n,), priority.numel(), dtype=torch.long).scatter_reduce(0, pt, rank_of_draft[pd], "amin")
+    first = torch.full((n,), priority.numel(), dtype=torch.long, device=HOST).scatter_reduce(0, pt, rank_of_draft[pd],
+                                                                                          "amin")
     ranked = (first < priority.numel()).nonzero().flatten()
     chosen = ranked[first[ranked].argsort(stable=True)][:budget]
     if chosen.numel() < budget:
         # Target tokens no draft token overlaps (rare: offset gaps) still count toward a full budget.
-        rest = sel.reusable.clone()
+        rest = reusable.clone()
         rest[chosen] = False
         chosen = torch.cat([chosen, rest.nonzero().flatten()[: budget - chosen.numel()]])
-    return chosen.sort().values
+    return chosen.sort().values.to(sel.device)

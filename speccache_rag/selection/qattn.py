@@ -32,7 +32,7 @@ class QuestionAttention:
     def __init__(self, rows: torch.Tensor, row_pos: torch.Tensor, layers: range, scale: float, num_keys: int,
                  heads: str = "mean"):
         self.rows, self.row_pos, self.layers, self.scale, self.heads = rows, row_pos, layers, scale, heads
-        self.scores = torch.zeros(num_keys)
+        self.scores = torch.zeros(num_keys, device=row_pos.device)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
         if layer not in self.layers or self.rows.numel() == 0:
@@ -40,7 +40,7 @@ class QuestionAttention:
         q = q[:, self.rows].float()                                          # [H, Q, D]
         k = k.float().repeat_interleave(q.shape[0] // k.shape[0], dim=0)      # [H, T, D]
         att = (q @ k.transpose(1, 2)) * self.scale                            # [H, Q, T]
-        att = att.masked_fill(torch.arange(k.shape[1])[None, :] > self.row_pos[:, None], float("-inf"))
+        att = att.masked_fill(torch.arange(k.shape[1], device=k.device)[None, :] > self.row_pos[:, None], float("-inf"))
         p = att.softmax(-1).mean(dim=1)                                       # [H, T]
         self.scores[: k.shape[1]] += (p.amax(0) if self.heads == "max" else p.mean(0)) / len(self.layers)
 

@@ -18,16 +18,16 @@ from .registry import position_selector
 from .draft_spans import select_by_draft
 
 
-def draft_question_rows(draft_tokens: TokenizedPrompt) -> torch.Tensor:
+def draft_question_rows(draft_tokens: TokenizedPrompt, device: torch.device | str = "cpu") -> torch.Tensor:
     """Draft positions after the last chunk (question and template suffix): the target's rule, on the draft's tokens."""
-    return torch.arange(question_start(draft_tokens), len(draft_tokens))
+    return torch.arange(question_start(draft_tokens), len(draft_tokens), device=device)
 
 
 @torch.inference_mode()
 def draft_attention_scores(draft, draft_tokens: TokenizedPrompt, sel: Selection) -> torch.Tensor:
     """Attention the question rows pay every draft position, in the scored layers, pooled → [Nd]."""
     cfg = sel.config
-    rows = draft_question_rows(draft_tokens)
+    rows = draft_question_rows(draft_tokens, draft.device)
     layers = scored_layers(draft.num_layers, cfg.qattn_layers)
     probe = QuestionAttention(rows, rows, layers, draft.scaling, len(draft_tokens), cfg.qattn_heads)
     full_prefill(draft, draft_tokens.ids, observe=probe)

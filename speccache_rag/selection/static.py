@@ -17,7 +17,7 @@ def reuse_select(sel: Selection, ops=None) -> torch.Tensor:
 def epic_select(sel: Selection, ops=None) -> torch.Tensor:
     """The first k tokens of every reused chunk (EPIC / LegoLink); unset, k is the largest that fits the budget."""
     reused = sel.reused_chunks()
-    chunks = [torch.arange(s.start, s.end) for s in sel.tokens.chunk_segments() if s.chunk in reused]
+    chunks = [torch.arange(s.start, s.end, device=sel.device) for s in sel.tokens.chunk_segments() if s.chunk in reused]
     k = sel.config.epic_k
     if k is None:
         k = 0
@@ -25,11 +25,12 @@ def epic_select(sel: Selection, ops=None) -> torch.Tensor:
         while k < longest and sum(min(k + 1, len(c)) for c in chunks) <= sel.budget:
             k += 1
     picked = [c[:k] for c in chunks]
-    return torch.cat(picked) if picked else torch.empty(0, dtype=torch.long)
+    return torch.cat(picked) if picked else torch.empty(0, dtype=torch.long, device=sel.device)
 
 
 @position_selector("random")
 def random_select(sel: Selection, ops=None) -> torch.Tensor:
     cand = sel.reusable_positions
-    gen = torch.Generator().manual_seed(sel.config.seed)
-    return cand[torch.randperm(cand.numel(), generator=gen)[: sel.budget]].sort().values
+    gen = torch.Generator(device="cpu").manual_seed(sel.config.seed)    # the same draw on every device
+    order = torch.randperm(cand.numel(), generator=gen, device="cpu").to(cand.device)
+    return cand[order[: sel.budget]].sort().values

@@ -52,6 +52,7 @@ class VllmLayers:
         self.num_layers = len(self.blocks)
         self.num_kv_heads, self.head_dim = attn.attn.num_kv_heads, attn.attn.head_size
         self.dtype = model.model.embed_tokens.weight.dtype
+        self.device = model.model.embed_tokens.weight.device
         self.scaling = attn.scaling
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
