@@ -78,3 +78,10 @@ def test_gpu_check_says_so_without_cuda_and_runs_its_checks_on_the_cpu(smollm2, 
     assert gpu_check.main(["--device", "cpu", "--target", "smollm2-135m", "--reps", "1"]) == 0
     out = capsys.readouterr().out
     assert "exactness: 8 methods × 3 prompts, 0 failed" in out and "| qattn |" in out
+
+
+def test_offloaded_decoding_allocates_on_the_models_device(engine):
+    prompt = RAGPrompt(chunks=CHUNKS, question=QUESTION)
+    with torch.device("meta"):
+        out = engine.generate(prompt, max_new_tokens=4, offload="2bit")
+    assert out.stats.offload is not None and out.stats.offload.steps >= 1

@@ -50,7 +50,7 @@ def group_attention(q: torch.Tensor, keys: torch.Tensor, scale: float, row: int,
 
 def _overlap(a: torch.Tensor, b: torch.Tensor, size: int) -> float:
     """|a ∩ b| / |b| for index sets a, b [KVH, j] (per head, then pooled)."""
-    seen = torch.zeros((a.shape[0], size), dtype=torch.bool)
+    seen = torch.zeros((a.shape[0], size), dtype=torch.bool, device="cpu")     # a statistic: on the host
     seen.scatter_(1, a.cpu(), True)
     return float(seen.gather(1, b.cpu()).float().mean()) if b.numel() else 0.0
 
@@ -125,8 +125,9 @@ class OffloadDecoder:
                 best = group_attention(q, exact, self.ops.scaling, 0, n + 1)[:, :tiers.nk].topk(j, dim=-1).indices
                 self._oracle_hits.append(_overlap(tiers.fetched, best, tiers.nk))
 
-        positions = torch.arange(n, n + len(ids))
-        h = run_layers(self.ops, view, self.ops.embed(torch.tensor(ids)), positions, observe=observe)
+        positions = torch.arange(n, n + len(ids), device=self.ops.device)
+        h = run_layers(self.ops, view, self.ops.embed(torch.tensor(ids, device=self.ops.device)), positions,
+                       observe=observe)
         logits = [self.ops.logits(h[r]) for r in range(len(ids))]
         return logits, [view.new[i] for i in range(self.ops.num_layers)], chosen
 

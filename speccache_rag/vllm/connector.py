@@ -340,7 +340,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
                 prompt = RAGPrompt(**plan["prompt"]) if plan.get("prompt") else None
                 report = blender.blend(spec.token_ids, plan["spans"],
                                        ReuseConfig(**plan["reuse"]),
-                                       slot_mapping(spec.block_ids, self.block_size, n - 1),
+                                       slot_mapping(spec.block_ids, self.block_size, n - 1, blender.ops.device),
                                        prompt=prompt, precompute=plan["op"] == "precompute")
             except Exception:
                 logger.exception("SpecCache: blending request %s failed; vLLM recomputes it", spec.req_id)

@@ -102,6 +102,7 @@ def write_paged(ops: VllmLayers, cache: KVCache, slots: torch.Tensor) -> None:
         attn.impl.do_kv_cache_update(attn, k, v, attn.kv_cache, slots)
 
 
-def slot_mapping(block_ids: list[int], block_size: int, n: int) -> torch.Tensor:
-    pos = torch.arange(n)
-    return torch.as_tensor(block_ids, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
+def slot_mapping(block_ids: list[int], block_size: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The paged-cache slot of each of the first ``n`` prompt positions, on the worker's ``device``."""
+    pos = torch.arange(n, device=device)
+    return torch.as_tensor(block_ids, dtype=torch.long, device=device)[pos // block_size] * block_size + pos % block_size
