@@ -69,13 +69,16 @@ class SpecCacheEngine(Engine):
         device: where the target computes (default: CUDA where there is one, else the CPU); draft_device: the
         draft's (default: the target's). Stored KV stays on the host and moves to the device once per chunk."""
         configure_threads(threads)
-        device = check_device(device)
-        draft_device = check_device(draft_device) if draft_device is not None else device
-        dtype = resolve_dtype(dtype, device)
         if backend != "torch":    # by name (engines.BACKENDS): vllm is an optional extra above this module
             if backend == "remote":
                 raise ValueError("a remote engine is opened by engines.open_engine(target, base_url=...)")
-            return engine_class(backend)(target, draft=draft, store=store, dtype=dtype, name=target, **kwargs)
+            if device is not None or draft_device is not None:
+                raise ValueError(f"device= places the torch engine's models; backend={backend!r} places its own")
+            return engine_class(backend)(target, draft=draft, store=store, dtype=resolve_dtype(dtype), name=target,
+                                         **kwargs)
+        device = check_device(device)
+        draft_device = check_device(draft_device) if draft_device is not None else device
+        dtype = resolve_dtype(dtype, device)
         from .models import load
 
         t = time.perf_counter()

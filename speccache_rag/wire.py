@@ -84,6 +84,13 @@ class Query:
 
 def parse(params, n_tokens: int) -> Query:
     """Read and check one request's parameters against its prompt of ``n_tokens`` tokens (ValueError if bad)."""
+    try:
+        return _parse(params, n_tokens)
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"malformed kv_transfer_params[{PARAMS_KEY!r}]: {type(e).__name__}: {e}") from e
+
+
+def _parse(params, n_tokens: int) -> Query:
     if not isinstance(params, dict):
         raise ValueError(f"kv_transfer_params[{PARAMS_KEY!r}] must be an object")
     op, tag = params.get("op", "query"), params.get("tag")

@@ -85,3 +85,8 @@ def test_offloaded_decoding_allocates_on_the_models_device(engine):
     with torch.device("meta"):
         out = engine.generate(prompt, max_new_tokens=4, offload="2bit")
     assert out.stats.offload is not None and out.stats.offload.steps >= 1
+
+
+def test_device_is_refused_for_a_backend_that_places_its_own_models():
+    with pytest.raises(ValueError, match="places its own"):
+        SpecCacheEngine.from_pretrained("tiny", backend="vllm", device="cpu")

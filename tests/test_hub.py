@@ -56,7 +56,8 @@ def test_a_hub_id_resolves_to_its_snapshot_in_the_cache(hf_cache, tiny):
 
 
 def test_a_hub_id_missing_offline_says_what_was_tried(hf_cache):
-    with pytest.raises(FileNotFoundError, match=r"acme/absent is not in the Hugging Face cache at .*HF_HUB_OFFLINE"):
+    with pytest.raises(FileNotFoundError, match=r"acme/absent is not a local path, nor in the Hugging Face cache at .*"
+                                                r"HF_HUB_OFFLINE"):
         models.resolve("acme/absent")
 
 
@@ -82,3 +83,8 @@ def test_ask_runs_offline_on_a_model_in_the_hugging_face_cache(hf_cache, tiny, t
                          "--target", "acme/tiny-llama", "--store", str(tmp_path / "kv"), "--max-new-tokens", "3"])
     assert code == 0, err.getvalue()
     assert "loaded acme/tiny-llama" in err.getvalue() and "reused=" in err.getvalue()
+
+
+def test_a_missing_gguf_path_is_not_taken_for_a_hub_id(hf_cache):
+    with pytest.raises(FileNotFoundError, match="no such model file"):
+        models.resolve("models/absent.gguf")

@@ -33,6 +33,8 @@ def test_precompute_and_info_requests():
     ({"reuse": [1]}, "ReuseConfig fields"),
     ({"op": "precompute", "span": [0, 20]}, "outside the prompt"),
     ({"op": "delete"}, "unknown op"),
+    ({"op": "precompute"}, "malformed"),
+    ({"spans": None}, "malformed"),
 ])
 def test_bad_parameters_are_named(params, match):
     with pytest.raises(ValueError, match=match):

@@ -20,7 +20,7 @@ class DropInFields(BaseModel):
     _renamed: ClassVar[dict[str, str]] = {}
 
     target: Optional[str] = Field(default=DropInSettings.target, alias="model",
-                                  description="Target model: a packaged name, a HF directory or a .gguf file "
+                                  description="Target model: a packaged name, a Hugging Face id or directory, or a .gguf file "
                                   "(remote mode: the served model name; None: the server's first).")
     draft: Optional[str] = Field(default=None, description="Draft model that scores tokens; None: the target.")
     store: Any = Field(default=DropInSettings.store,

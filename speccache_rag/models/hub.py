@@ -12,12 +12,14 @@ import re
 from pathlib import Path
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
-WANTED = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.tiktoken"]
+# transformers' own weight files only: some repos also ship a consolidated copy for other runtimes
+WANTED = ["*.json", "model*.safetensors", "tokenizer*", "*.model", "*.txt", "*.tiktoken"]
 
 
 def is_hub_id(name: str) -> bool:
     """``org/name`` or ``org/name@revision`` that is not a local path."""
-    return bool(HUB_ID.match(name)) and not Path(name).expanduser().exists()
+    return (bool(HUB_ID.match(name)) and not name.lower().endswith(".gguf")
+            and not Path(name).expanduser().exists())
 
 
 def hub_cache() -> Path:
@@ -48,9 +50,9 @@ def snapshot(hub_id: str) -> Path:
     except LocalEntryNotFoundError as e:
         how = ("HF_HUB_OFFLINE is set, so nothing is downloaded" if offline()
                else "the Hub could not be reached")
-        raise FileNotFoundError(f"{where} is not in the Hugging Face cache at {cache} and {how}; download it "
-                                f"first (`huggingface-cli download {repo_id}`) or point HF_HOME at the cache "
-                                "that holds it") from e
+        raise FileNotFoundError(f"{where} is not a local path, nor in the Hugging Face cache at {cache}, and {how}; "
+                                f"download it first (`huggingface-cli download {repo_id}`) or point HF_HOME at the "
+                                "cache that holds it") from e
     except (RepositoryNotFoundError, GatedRepoError) as e:
         raise FileNotFoundError(f"{repo_id} is not a model the Hub serves to this token ({type(e).__name__}); "
                                 "check the id, and HF_TOKEN for a gated or private model") from e

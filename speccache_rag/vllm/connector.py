@@ -153,8 +153,9 @@ class SpecCacheConnector(KVConnectorBase_V1):
     # ==== scheduler side ==========================================================================
     def _track(self, req_id: str) -> "_Tracked":
         rec = self._tracked.setdefault(req_id, _Tracked())
-        while len(self._tracked) > _TRACKED_MAX:
-            self._tracked.popitem(last=False)
+        if len(self._tracked) > _TRACKED_MAX:        # forget the oldest finished ones whose report never came
+            for old in [k for k, r in self._tracked.items() if r.finished][: len(self._tracked) - _TRACKED_MAX]:
+                del self._tracked[old]
         return rec
 
     def on_new_request(self, request: "Request") -> None:
@@ -296,7 +297,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
             rec.finished, rec.plan = True, None
         else:
             self._tracked.pop(request.request_id, None)
-        return False, (wire.wrap(body)["kv_transfer_params"] if body else None)
+        return False, ({wire.PARAMS_KEY: body} if body else None)
 
     # ==== worker side =============================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):

@@ -7,11 +7,14 @@ from typing import TYPE_CHECKING
 
 from ..config import DEFAULT_STORE, METHODS, ReuseConfig
 from ..hardware import dtype_name
-from ..models import SUPPORTED_MODEL_TYPES
 from .plugin import ARCHITECTURES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+
+# The torch runner supports more (models.registry.SUPPORTED_MODEL_TYPES); VllmLayers drives these two only.
+VLLM_MODEL_TYPES = ("llama", "qwen2")
 
 
 @dataclass
@@ -60,7 +63,7 @@ def unsupported_reason(vllm_config: "VllmConfig") -> str | None:
     hf = mc.hf_text_config if hasattr(mc, "hf_text_config") else mc.hf_config
     archs = list(getattr(mc, "architectures", None) or getattr(hf, "architectures", None) or [])
     model_type = getattr(hf, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES or not set(archs) & set(ARCHITECTURES):
+    if model_type not in VLLM_MODEL_TYPES or not set(archs) & set(ARCHITECTURES):
         return (f"architecture {model_type or archs} is not supported by the SpecCache connector "
                 f"(supported: {', '.join(ARCHITECTURES)})")
     if getattr(hf, "use_sliding_window", False):
