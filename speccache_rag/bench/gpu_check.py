@@ -10,7 +10,6 @@ checked by ``tests/test_vllm.py`` in a GPU build of vLLM.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
@@ -19,6 +18,7 @@ import torch
 from ..config import METHODS, ReuseConfig
 from ..gate import LOGIT_TOL
 from ..prompt import RAGPrompt
+from .metrics import first_token_fidelity, mean, median
 
 
 def _prompts(tokenizer, n: int = 3, top_k: int = 4) -> list[RAGPrompt]:
@@ -55,8 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         return engine.generate(prompt, max_new_tokens=new, reuse=ReuseConfig(method=method, recompute_ratio=ratio),
                                return_first_logits=True)
 
+    full_logits = []
     for prompt in prompts:                                   # (1) exactness
         full = run(prompt, "full", 1.0)
+        full_logits.append(full.first_logits)
         for method in (m for m in METHODS if m not in ("full", "reuse")):
             out = run(prompt, method, 1.0)
             if out.token_ids != full.token_ids or not torch.allclose(out.first_logits, full.first_logits, **tol):
@@ -64,19 +66,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"exactness: {len(METHODS) - 2} methods × {len(prompts)} prompts, {len(failures)} failed")
 
     closed = []                                              # (2) quality smoke
-    for prompt in prompts:
-        ref = torch.log_softmax(run(prompt, "full", 1.0, 1).first_logits.float(), -1)
-
-        def kl(out):
-            return float((ref.exp() * (ref - torch.log_softmax(out.first_logits.float(), -1))).sum())
-        kl_reuse, kl_q = kl(run(prompt, "reuse", 0.0, 1)), kl(run(prompt, "qattn", 0.15, 1))
+    for prompt, ref in zip(prompts, full_logits):
+        kl_reuse, kl_q = (first_token_fidelity(ref, run(prompt, m, r, 1).first_logits)["kl"]
+                          for m, r in (("reuse", 0.0), ("qattn", 0.15)))
         closed.append(1 - kl_q / kl_reuse if kl_reuse > 0 else 1.0)
-    print(f"quality: qattn@0.15 closes {statistics.mean(closed):.0%} of reuse's KL gap (mean of {len(closed)})")
-    if statistics.mean(closed) <= 0:
+    print(f"quality: qattn@0.15 closes {mean(closed):.0%} of reuse's KL gap (mean of {len(closed)})")
+    if mean(closed) <= 0:
         failures.append("quality: qattn@0.15 is no closer to full prefill than naive reuse")
 
     print("| method | TTFT (s, median) | × full |\n|---|---:|---:|")    # (3) TTFT, one run, interleaved
-    methods = ["full"] + [m for m in ("qattn", "cacheblend", "epic", "speccache") if m in METHODS]
+    methods = ["full", "qattn", "cacheblend", "epic", "speccache"]
     times = {m: [] for m in methods}
     for _ in range(args.reps + 1):                           # the first round warms up
         for m in methods:
@@ -85,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
             if engine.ops.device.type == "cuda":
                 torch.cuda.synchronize()
             times[m].append(time.perf_counter() - t)
-    base = statistics.median(times["full"][1:])
+    base = median(times["full"][1:])
     for m in methods:
-        med = statistics.median(times[m][1:])
+        med = median(times[m][1:])
         print(f"| {m} | {med:.3f} | {base / med:.2f}× |")
     for f in failures:
         print(f"FAILED {f}")

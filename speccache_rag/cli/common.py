@@ -56,7 +56,7 @@ def load_engine(args: argparse.Namespace, draft: str | None, store):
 
     t = time.perf_counter()
     engine = open_engine(args.target, draft=draft, store=store, dtype=args.dtype, threads=args.threads,
-                         device=getattr(args, "device", None))
+                         device=args.device)
     pair = args.target if draft in (None, args.target) else f"{args.target} (draft {draft})"
     ls = engine.load_stats
     err(f"loaded {pair} in {time.perf_counter() - t:.1f}s ({engine.dtype}, {torch.get_num_threads()} threads); "
