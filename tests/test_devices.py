@@ -15,9 +15,10 @@ CHUNKS = ["The lighthouse on Varrow Point was built in 1887; its keeper kept a l
 QUESTION = "When was the lighthouse built?"
 
 
-@pytest.fixture(scope="module")
-def engine():
-    model, tok = tiny_random_model("llama", num_layers=2)
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def engine(request):
+    """gemma3 as well: its sliding-window masks and per-layer-type rope are made per pass too."""
+    model, tok = tiny_random_model(request.param, num_layers=3)
     with torch.device("meta"):                       # the gate's check and ingestion are under the same rule
         eng = SpecCacheEngine(model, tok, store="memory://")
         eng.precompute(CHUNKS)

@@ -22,7 +22,7 @@ CHUNKS = [
 QUESTION = "In which year was the founder of Zorblat Industries born?"
 
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral", "phi3"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -132,10 +132,11 @@ class _FakeTok:
         return 1000
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral", "phi3"])
-def test_every_method_at_ratio_one_equals_full_prefill_on_each_architecture(arch):
-    """The guard on a tiny random-weight model of each architecture added after llama/qwen2 (float32)."""
-    model, tok = tiny_random_model(arch)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "phi3", "gemma3"])
+def test_every_method_at_ratio_one_equals_full_prefill_on_each_architecture(arch, dtype):
+    """The guard on a tiny random-weight model of each architecture added after llama/qwen2."""
+    model, tok = tiny_random_model(arch, dtype=dtype)
     engine = SpecCacheEngine(model, tok, store="memory://")
     assert engine.load_stats.gate_methods and not engine.load_stats.gate_failed     # the gate ran on it too
     prompt = RAGPrompt(chunks=CHUNKS, question=QUESTION)
@@ -145,7 +146,7 @@ def test_every_method_at_ratio_one_equals_full_prefill_on_each_architecture(arch
         out = engine.generate(prompt, max_new_tokens=6, reuse=ReuseConfig(method=method, recompute_ratio=1.0),
                               return_first_logits=True)
         assert out.stats.reused_tokens == 0 and out.token_ids == full.token_ids, method
-        torch.testing.assert_close(out.first_logits, full.first_logits, **LOGIT_TOL[torch.float32])
+        torch.testing.assert_close(out.first_logits, full.first_logits, **LOGIT_TOL[dtype])
     reused = engine.generate(prompt, max_new_tokens=1, reuse=ReuseConfig(method="reuse"), return_first_logits=True)
     assert reused.stats.reused_tokens > 0
     assert (reused.first_logits - full.first_logits).abs().max() > 1e-3             # reuse alone is not exact
@@ -160,13 +161,39 @@ def test_a_window_every_layer_shares_bounds_the_context():
     assert attention_span(MistralConfig(sliding_window=None, max_position_embeddings=32768)) == 32768
 
 
-def test_sliding_windows_on_some_layers_are_refused():
+def test_sliding_windows_on_some_layers_attend_within_the_window():
+    """Qwen3 with ``use_sliding_window`` marks its upper layers sliding; the runner follows, in prefill, in a blend
+    of scattered positions and in decode (the prompt is longer than the window)."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from speccache_rag.layers import HFLayers
-
-    cfg = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=8, use_sliding_window=True, sliding_window=4,
+    cfg = Qwen3Config(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, use_sliding_window=True, sliding_window=8,
                       max_window_layers=1)
-    with pytest.raises(ValueError, match="sliding-window"):
-        HFLayers(AutoModelForCausalLM.from_config(cfg))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ops = HFLayers(model)
+    assert ops.windows == [None, 8, 8]
+    ids = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model(ids[None]).logits[0, -1]
+        ref_next = model(torch.cat([ids, torch.tensor([7])])[None]).logits[0, -1]
+    exact, last = full_prefill(ops, ids, capacity=31)
+    torch.testing.assert_close(last, ref, atol=1e-5, rtol=1e-5)
+    cache = KVCache(exact.k.clone(), exact.v.clone())
+    subset = torch.cat([torch.arange(3, 9), torch.arange(20, 30)])
+    cache.k[:, :, subset] = 0
+    cache.v[:, :, subset] = 0
+    torch.testing.assert_close(prefill(ops, cache, ids[subset], subset), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(decode_one(ops, cache, 7, 30), ref_next, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_logit_soft_capping_is_refused():
+    from transformers import Qwen3Config
+
+    from speccache_rag.layers import check_arch
+
+    class Model:
+        config = Qwen3Config(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    Model.config.attn_logit_softcapping = 50.0
+    with pytest.raises(ValueError, match="soft-capping"):
+        check_arch(Model())

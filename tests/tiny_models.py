@@ -7,15 +7,17 @@ from speccache_rag.models import load_tokenizer
 def tiny_random_model(arch: str = "llama", seed: int = 0, *, num_layers: int = 4, hidden_size: int = 64,
                       num_heads: int = 4, num_kv_heads: int = 2, dtype: torch.dtype = torch.float32,
                       tokenizer=None):
-    """A small random-weight ``llama``, ``qwen2``, ``qwen3``, ``mistral`` or ``phi3`` model with the real SmolLM2 tokenizer.
+    """A small random-weight ``llama``, ``qwen2``, ``qwen3``, ``mistral``, ``phi3`` or ``gemma3`` model with the real
+    SmolLM2 tokenizer. ``gemma3`` has 16-token sliding windows on all but every third layer, so prompts cross them.
 
     For shape and exactness tests only (never quality claims).  Deterministic in ``seed``; the
     global RNG state is left untouched.  Pass ``tokenizer`` to skip loading SmolLM2's.
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config)
 
     configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
-               "phi3": Phi3Config}
+               "phi3": Phi3Config, "gemma3": Gemma3TextConfig}
     if arch not in configs:
         raise ValueError(f"arch must be one of {', '.join(configs)}, got {arch!r}")
     if tokenizer is None:
@@ -40,6 +42,11 @@ def tiny_random_model(arch: str = "llama", seed: int = 0, *, num_layers: int = 4
         common["sliding_window"] = None          # a window beyond the prompt: tested apart
     if arch == "phi3":
         common["rope_parameters"]["partial_rotary_factor"] = 0.5     # Phi-4-mini style: half the dims rotate
+    if arch == "gemma3":
+        common.update(sliding_window=16, query_pre_attn_scalar=hidden_size // num_heads,
+                      layer_types=["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(num_layers)],
+                      rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                       "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}})
     config = configs[arch](**common)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

