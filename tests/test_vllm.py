@@ -97,8 +97,8 @@ def test_connector_options_are_validated():
 def test_unsupported_configuration_is_named():
     from speccache_rag.vllm.deployment import unsupported_reason
 
-    def config(model_type, arch, tp=1, window=False, cache_dtype="auto"):
-        hf = types.SimpleNamespace(model_type=model_type, architectures=[arch], use_sliding_window=window)
+    def config(model_type, arch, tp=1, cache_dtype="auto"):
+        hf = types.SimpleNamespace(model_type=model_type, architectures=[arch])
         return types.SimpleNamespace(
             model_config=types.SimpleNamespace(hf_text_config=hf, architectures=[arch], dtype=torch.float32),
             parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
@@ -106,8 +106,8 @@ def test_unsupported_configuration_is_named():
 
     assert unsupported_reason(config("llama", "LlamaForCausalLM")) is None
     assert unsupported_reason(config("qwen2", "Qwen2ForCausalLM")) is None
-    assert "not supported" in unsupported_reason(config("gemma3", "Gemma3ForCausalLM"))
-    assert "sliding-window" in unsupported_reason(config("qwen2", "Qwen2ForCausalLM", window=True))
+    assert unsupported_reason(config("gemma3_text", "Gemma3ForCausalLM")) is None
+    assert "not supported" in unsupported_reason(config("olmo2", "Olmo2ForCausalLM"))
     assert "parallelism" in unsupported_reason(config("llama", "LlamaForCausalLM", tp=2))
     assert "quantized KV" in unsupported_reason(config("llama", "LlamaForCausalLM", cache_dtype="fp8"))
 
@@ -181,6 +181,24 @@ def test_unsupported_architecture_falls_back_to_plain_prefill_with_a_warning(tmp
     assert "is not supported by the SpecCache connector" in output and "plain vLLM prefill" in output
     assert result["hinted"] == result["plain"] and len(result["plain"]) > 0
     assert "SpecCache: req=" not in output                   # nothing was blended
+
+
+@needs_vllm
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "phi3", "gemma3"])
+def test_every_method_at_ratio_one_through_the_connector_equals_vllms_prefill_on_each_architecture(arch, tmp_path):
+    """The guard through the connector on a tiny random-weight model of each architecture added after llama/qwen2
+    (gemma3: 16-token windows on two of three layers, a 139-token prompt)."""
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "arch_exactness.py"), arch, str(tmp_path)],
+                          capture_output=True, text=True, env=child_env(), preexec_fn=_unpin, timeout=580)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["windows"] == ([16, 16, None] if arch == "gemma3" else [None] * 3)
+    assert report["hf_diff"] < 1e-3                          # vLLM's own prefill is transformers' (windows too)
+    assert set(report["methods"]) == set(METHODS) - {"full", "reuse"}
+    for method, r in report["methods"].items():
+        assert r["same_tokens"] and r["recomputed_all"] and r["max_diff"] < 2e-3, (method, r)
+    assert report["partial"]["cache_hits"] == 3 and report["partial"]["reused"] > 0
 
 
 # ---- in-process engine: SpecCacheEngine.from_pretrained(backend="vllm") ----------------------------

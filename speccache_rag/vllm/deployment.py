@@ -13,8 +13,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 
-# The torch runner supports more (models.registry.SUPPORTED_MODEL_TYPES); VllmLayers drives these two only.
-VLLM_MODEL_TYPES = ("llama", "qwen2")
+# The config model types of plugin.ARCHITECTURES (VllmLayers drives those)
+VLLM_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text")
 
 
 @dataclass
@@ -66,8 +66,6 @@ def unsupported_reason(vllm_config: "VllmConfig") -> str | None:
     if model_type not in VLLM_MODEL_TYPES or not set(archs) & set(ARCHITECTURES):
         return (f"architecture {model_type or archs} is not supported by the SpecCache connector "
                 f"(supported: {', '.join(ARCHITECTURES)})")
-    if getattr(hf, "use_sliding_window", False):
-        return "sliding-window attention is not supported"
     pc = vllm_config.parallel_config
     if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
         return "tensor/pipeline parallelism is not supported yet"

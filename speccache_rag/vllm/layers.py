@@ -1,9 +1,12 @@
-"""LayerOps over vLLM's llama / qwen2 modules, and the copy of a dense cache into vLLM's paged one.
+"""LayerOps over vLLM's llama / qwen2 / qwen3 / mistral / phi3 / gemma3 modules, and the copy of a dense cache into
+vLLM's paged one.
 
-The runner (:mod:`speccache_rag.runner`) drives these exactly as it drives HF's: fused QKV, vLLM's
-rotary embedding (which rotates in place, so what it is given is always a copy: of the fresh keys,
-whose pre-RoPE form the cache keeps, and of stored keys), fused gate/up MLP. The blended cache is written into vLLM's paged blocks through the attention backend's own
-``do_kv_cache_update``: the CPU paged layout is ISA-specific and is never indexed directly.
+The runner (:mod:`speccache_rag.runner`) drives these exactly as it drives HF's: fused QKV, per-head q/k norms
+where the model has them, vLLM's rotary embedding of each layer (which rotates in place, so what it is given is
+always a copy: of the fresh keys, whose pre-RoPE form the cache keeps, and of stored keys), each layer's
+sliding window as its attention backend holds it, fused gate/up MLP, Gemma's norms on both sides. The blended
+cache is written into vLLM's paged blocks through the attention backend's own ``do_kv_cache_update``: the CPU
+paged layout is ISA-specific and is never indexed directly.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ class Unsupported(RuntimeError):
 
 
 def check_model(model) -> None:
-    """Raise Unsupported unless ``model`` has the llama/qwen2 layout the runner drives."""
+    """Raise Unsupported unless ``model`` has a layout the runner drives."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or not hasattr(inner, "embed_tokens"):
@@ -32,17 +35,23 @@ def check_model(model) -> None:
         for name in ("qkv_proj", "o_proj", "rotary_emb", "attn", "q_size", "kv_size", "scaling"):
             if not hasattr(attn, name):
                 raise Unsupported(f"attention without {name}")
-        if getattr(attn, "qk_norm", False):
-            raise Unsupported("QK-norm attention is not supported")
-        windows = (getattr(attn.attn, "sliding_window", None), getattr(attn.attn.impl, "sliding_window", None))
-        if any(w is not None and w not in (-1, (-1, -1)) for w in windows):   # -1: none (CPU backend)
-            raise Unsupported("sliding-window attention is not supported")
+        if getattr(attn, "do_llama_4_scaling", False) or getattr(layer, "ada_rms_norm_t_cond", None) is not None:
+            raise Unsupported("position-dependent attention scaling and conditioned norms are not supported")
+        if getattr(attn.attn.impl, "logits_soft_cap", 0):
+            raise Unsupported("attention logit soft-capping is not supported")
         if getattr(attn.attn, "kv_sharing_target_layer_name", None):
             raise Unsupported("KV sharing across layers is not supported")
 
 
+def _window(attn) -> int | None:
+    w = getattr(attn.attn.impl, "sliding_window", None)
+    w = w[0] + 1 if isinstance(w, tuple) else w            # (left, right) in some backends: left + the query itself
+    return None if w is None or w < 0 else int(w)
+
+
 class VllmLayers:
-    """LayerOps over a vLLM ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (checked by :func:`check_model`)."""
+    """LayerOps over the vLLM models of :data:`speccache_rag.vllm.plugin.ARCHITECTURES` (checked by
+    :func:`check_model`)."""
 
     def __init__(self, model):
         check_model(model)
@@ -54,10 +63,12 @@ class VllmLayers:
         self.dtype = model.model.embed_tokens.weight.dtype
         self.device = model.model.embed_tokens.weight.device
         self.scaling = attn.scaling
-        self.windows = [None] * self.num_layers      # check_model refused sliding windows
+        self.windows = [_window(b.self_attn) for b in self.blocks]
+        self.qk_norm = hasattr(attn, "q_norm")
+        self.sandwich_norms = hasattr(self.blocks[0], "pre_feedforward_layernorm")
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.model.embed_tokens(token_ids)
+        return self.model.model.embed_input_ids(token_ids)         # Gemma scales the embedding here
 
     def rope(self, positions: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return positions                        # vLLM's rotary embedding takes the positions themselves
@@ -70,6 +81,9 @@ class VllmLayers:
         attn = block.self_attn
         qkv, _ = attn.qkv_proj(block.input_layernorm(h))
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        if self.qk_norm:                            # per head, before RoPE
+            q = attn.q_norm(q.unflatten(-1, (-1, self.head_dim))).flatten(-2)
+            k = attn.k_norm(k.unflatten(-1, (-1, self.head_dim))).flatten(-2)
         k_pre = k.contiguous()
         q, k = attn.rotary_emb(rope, q.contiguous(), k_pre.clone())
         return self._heads(q), self._heads(k_pre), self._heads(k), self._heads(v.contiguous())
@@ -77,6 +91,9 @@ class VllmLayers:
     def attention_output(self, layer: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         block = self.blocks[layer]
         out, _ = block.self_attn.o_proj(o)
+        if self.sandwich_norms:
+            h = h + block.post_attention_layernorm(out)
+            return h + block.post_feedforward_layernorm(block.mlp(block.pre_feedforward_layernorm(h)))
         h = h + out
         return h + block.mlp(block.post_attention_layernorm(h))
 

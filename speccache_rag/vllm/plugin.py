@@ -10,6 +10,10 @@ from __future__ import annotations
 ARCHITECTURES = {
     "LlamaForCausalLM": "SpecCacheLlamaForCausalLM",
     "Qwen2ForCausalLM": "SpecCacheQwen2ForCausalLM",
+    "Qwen3ForCausalLM": "SpecCacheQwen3ForCausalLM",
+    "MistralForCausalLM": "SpecCacheMistralForCausalLM",
+    "Phi3ForCausalLM": "SpecCachePhi3ForCausalLM",
+    "Gemma3ForCausalLM": "SpecCacheGemma3ForCausalLM",
 }
 MODULE = "speccache_rag.vllm.models"
 

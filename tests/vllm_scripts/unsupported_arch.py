@@ -1,7 +1,8 @@
-"""A model the SpecCache connector cannot blend (qwen3: QK-norm) must run as plain vLLM, with a warning.
+"""A model the SpecCache connector cannot blend (OLMo 2: norms after attention and MLP, q/k norms over all heads)
+must run as plain vLLM, with a warning.
 
 Usage: python unsupported_arch.py WORKDIR  → prints {"plain": [...], "hinted": [...]} as its last line.
-Builds a tiny random-weight Qwen3 checkpoint (shape test only) with SmolLM2's tokenizer.
+Builds a tiny random-weight OLMo 2 checkpoint (shape test only) with SmolLM2's tokenizer.
 """
 import json
 import os
@@ -10,18 +11,19 @@ import sys
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM, Olmo2Config
 
     from speccache_rag.models import load_tokenizer
     from speccache_rag.prompt import RAGPrompt, render
     from speccache_rag.vllm import kv_transfer_config
 
     work = sys.argv[1]
-    model_dir = os.path.join(work, "tiny-qwen3")
+    model_dir = os.path.join(work, "tiny-olmo2")
     tok = load_tokenizer("smollm2-135m")
-    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    cfg = Olmo2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
