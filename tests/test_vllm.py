@@ -118,6 +118,23 @@ def _unpin():
 
 
 @pytest.fixture(scope="module")
+def light_venv(tmp_path_factory):
+    """A fresh venv holding only the two drop-in distributions and what they depend on: no torch, no
+    transformers (the light remote client, as `pip install langchain-speccache` gives it)."""
+    root = Path(__file__).resolve().parents[1]
+    venv = tmp_path_factory.mktemp("light") / "venv"
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv", str(venv)], check=True)
+    pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", str(root),
+                          str(root / "integrations" / "langchain-speccache"),
+                          str(root / "integrations" / "llama-index-llms-speccache")],
+                         capture_output=True, text=True, timeout=900)
+    assert pip.returncode == 0, pip.stderr[-4000:]
+    probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import torch"], capture_output=True)
+    assert probe.returncode != 0                             # the light install brought no torch
+    return venv
+
+
+@pytest.fixture(scope="module")
 def kv_dir(tmp_path_factory):
     """A directory store with every chunk precomputed by the *torch* backend, in float32: the server and
     the in-process engine compute in float32 too, so the two backends' KV can be compared at float32
@@ -132,7 +149,7 @@ def kv_dir(tmp_path_factory):
 
 @needs_vllm
 @pytest.mark.timeout(900)
-def test_vllm_serve_with_openai_client_reuses_chunks(kv_dir, tmp_path):
+def test_vllm_serve_with_openai_client_reuses_chunks(kv_dir, light_venv, tmp_path):
     from openai import OpenAI
 
     from speccache_rag.models import resolve
@@ -154,10 +171,17 @@ def test_vllm_serve_with_openai_client_reuses_chunks(kv_dir, tmp_path):
                                                extra_body={"kv_transfer_params": {"speccache": {"method": "reuse"}}})
         assert again.choices[0].message.content is not None
         metrics = __import__("urllib.request").request.urlopen(f"{url[:-3]}/metrics", timeout=30).read()
+        light = subprocess.run([str(light_venv / "bin" / "python"), str(SCRIPTS / "light_client.py"), url, *CHUNKS,
+                                "--", QUESTION], capture_output=True, text=True, timeout=600)
+    assert light.returncode == 0, (light.stdout + light.stderr)[-4000:]
+    client = json.loads(light.stdout.strip().splitlines()[-1])
+    assert client["heavy"] == []                             # the light install imported no model stack …
+    assert client["langchain"] > 0 and client["llama_index"] > 0, client      # … and its chains reused chunk KV
     text = log.read_text()
     lines = re.findall(r"SpecCache: req=\S+ method=(\w+) prompt=(\d+) reused=(\d+) recomputed=(\d+) .*?"
                        r"hits=(\d+) misses=(\d+)", text)
     relevant = "\n".join(l for l in text.splitlines() if re.search("SpecCache|ERROR|WARNING|Traceback", l))
+    lines = lines[:2]                                        # the light client's requests come after
     assert [m[0] for m in lines] == ["speccache", "reuse"], relevant[-6000:]
     for method, prompt, reused, recomputed, hits, misses in lines:
         assert int(hits) == 3 and int(misses) == 0 and int(reused) > int(prompt) // 2

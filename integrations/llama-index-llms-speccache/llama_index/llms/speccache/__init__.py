@@ -9,7 +9,7 @@ try:
     import llama_index.core  # noqa: F401
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "llama_index.llms.speccache needs LlamaIndex: pip install 'speccache-rag[llama-index]'"
+        "llama_index.llms.speccache needs LlamaIndex: pip install llama-index-llms-speccache"
     ) from e
 
 from llama_index.llms.speccache.base import SpecCacheLLM

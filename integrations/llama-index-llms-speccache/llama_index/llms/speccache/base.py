@@ -19,7 +19,8 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.llm import LLM
 
 from llama_index.llms.speccache.hints import RetrievalHints
-from speccache_rag import GenerationOutput, GenerationStats, SpecCacheEngine
+from speccache_rag.contract import Engine
+from speccache_rag.output import GenerationOutput, GenerationStats
 from speccache_rag.dropin import DropIn, DropInSettings, cached_tokens, init_arguments, usage
 from speccache_rag.dropin.fields import DropInFields
 
@@ -35,7 +36,7 @@ class SpecCacheLLM(LLM, DropInFields):
     important are recomputed. Everything else about the query engine stays as it is.
 
     Setup:
-        ``pip install 'speccache-rag[llama-index]'``
+        ``pip install llama-index-llms-speccache``
 
     Instantiate:
         .. code-block:: python
@@ -85,7 +86,7 @@ class SpecCacheLLM(LLM, DropInFields):
     _context: Optional[int] = PrivateAttr(default=None)
     _hints_seen: Optional[RetrievalHints] = PrivateAttr(default=None)
 
-    def __init__(self, engine: Optional[SpecCacheEngine] = None, **kwargs: Any) -> None:
+    def __init__(self, engine: Optional[Engine] = None, **kwargs: Any) -> None:
         super().__init__(**init_arguments(kwargs, engine))
         self._core = DropIn(engine)
         if self.use_retrieval_hints:

@@ -8,7 +8,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
 
 from llama_index.llms.speccache.base import SpecCacheLLM
-from speccache_rag import SpecCacheEngine
+from speccache_rag.contract import Engine
 from speccache_rag.dropin import precompute_texts
 from speccache_rag.remote import PrecomputeSummary
 
@@ -42,9 +42,9 @@ class SpecCacheKVPrecompute(TransformComponent):
                                                         "nodes (by node.embedding: embed before this step).")
 
     _llm: Optional[SpecCacheLLM] = PrivateAttr(default=None)
-    _engine: Optional[SpecCacheEngine] = PrivateAttr(default=None)
+    _engine: Optional[Engine] = PrivateAttr(default=None)
 
-    def __init__(self, llm: Optional[SpecCacheLLM] = None, engine: Optional[SpecCacheEngine] = None,
+    def __init__(self, llm: Optional[SpecCacheLLM] = None, engine: Optional[Engine] = None,
                  **kwargs: Any) -> None:
         remote = llm is not None and bool(llm.base_url)
         if (llm is None) == (engine is None) and not (remote and engine is not None):

@@ -22,7 +22,8 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import Field, PrivateAttr
 
 from langchain_speccache.callbacks import RetrievalHints
-from speccache_rag import GenerationOutput, GenerationStats, SpecCacheEngine
+from speccache_rag.contract import Engine
+from speccache_rag.output import GenerationOutput, GenerationStats
 from speccache_rag.dropin import DropIn, DropInSettings, cached_tokens, init_arguments, store_name
 from speccache_rag.dropin.fields import DropInFields
 
@@ -35,7 +36,7 @@ class ChatSpecCache(BaseChatModel, DropInFields):
     draft model marks as important are recomputed.
 
     Setup:
-        ``pip install 'speccache-rag[langchain]'``
+        ``pip install langchain-speccache``
 
     Instantiate:
         .. code-block:: python
@@ -88,7 +89,7 @@ class ChatSpecCache(BaseChatModel, DropInFields):
     _core: DropIn = PrivateAttr(default_factory=DropIn)
     _hints: RetrievalHints = PrivateAttr(default_factory=RetrievalHints)
 
-    def __init__(self, engine: Optional[SpecCacheEngine] = None, **kwargs: Any) -> None:
+    def __init__(self, engine: Optional[Engine] = None, **kwargs: Any) -> None:
         super().__init__(**init_arguments(kwargs, engine))
         self._core = DropIn(engine)
 
@@ -110,7 +111,7 @@ class ChatSpecCache(BaseChatModel, DropInFields):
         return self._hints
 
     def precompute(self, texts_or_documents: Iterable[Union[str, Document]], progress: bool = False,
-                   engine: Optional[SpecCacheEngine] = None, embeddings: Optional[Embeddings] = None,
+                   engine: Optional[Engine] = None, embeddings: Optional[Embeddings] = None,
                    neighbors: int = 0) -> list[str]:
         """Precompute the KV of each chunk (a string, or a Document's ``page_content``); → store keys.
 

@@ -8,7 +8,7 @@ from langchain_speccache import ChatSpecCache
 try:
     import langchain_core  # noqa: F401
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("langchain_speccache needs LangChain: pip install 'speccache-rag[langchain]'") from e
+    raise ImportError("langchain_speccache needs LangChain: pip install langchain-speccache") from e
 
 from langchain_speccache.callbacks import RetrievalHints
 from langchain_speccache.chat_models import ChatSpecCache
