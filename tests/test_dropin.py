@@ -54,3 +54,40 @@ def test_a_calls_kwargs_override_the_settings_and_are_checked():
         settings.generate_kwargs(model="other")
     with pytest.raises(ValueError):
         settings.generate_kwargs(recompute_ratio=-1)
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_no_argument_is_dropped_silently(adapter):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="frequency_penalty"):
+        adapter(model="m", frequency_penalty=0.5)                      # constructor: named in the error
+    with pytest.raises(ValueError, match="logprobs"):
+        DropInSettings(target="m").generate_kwargs(logprobs=True)     # a call: named in the error
+    assert adapter(api_base=URL, model="m")._settings().base_url == URL    # OpenAILike's name for base_url
+
+
+def test_server_fields_pass_through_in_remote_mode_and_are_refused_in_process():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    remote = DropInSettings(target="m", base_url=URL, store=None).generate_kwargs(tools=tools, tool_choice="auto",
+                                                                                 frequency_penalty=0.2)
+    assert remote["openai_params"] == {"tools": tools, "tool_choice": "auto", "frequency_penalty": 0.2}
+    assert "openai_params" not in DropInSettings(target="m").generate_kwargs(max_tokens=2)
+    with pytest.raises(ValueError, match="vLLM server"):
+        DropInSettings(target="m").generate_kwargs(tools=tools)
+
+
+def test_langchain_tools_and_structured_output_are_refused_at_bind_time_in_process():
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        answer: str
+
+    local = ChatSpecCache(model="smollm2-135m")
+    with pytest.raises(ValueError, match="vLLM server"):
+        local.bind_tools([Answer])
+    with pytest.raises(ValueError, match="vLLM server"):
+        local.with_structured_output(Answer)
+    bound = ChatSpecCache(base_url=URL, model="m").bind_tools([Answer], tool_choice="Answer")
+    assert bound.kwargs["tools"][0]["function"]["name"] == "Answer"
+    assert bound.kwargs["tool_choice"] == {"type": "function", "function": {"name": "Answer"}}

@@ -195,6 +195,34 @@ def test_vllm_serve_with_openai_client_reuses_chunks(kv_dir, light_venv, tmp_pat
 
 
 @needs_vllm
+@pytest.mark.timeout(1200)
+def test_tools_and_structured_output_pass_through_to_the_server(light_venv, tmp_path):
+    """langchain-speccache's bind_tools (named choice, streamed, a tool result sent back), both structured output
+    methods and llama-index-llms-speccache's function calling against `vllm serve` with the hermes tool-call
+    parser, Qwen2.5-Coder-0.5B (its template has tools); the chunks are precomputed by the server and reused."""
+    from speccache_rag.models import resolve
+    from speccache_rag.vllm import kv_transfer_config
+
+    config = kv_transfer_config(str(tmp_path / "kv"), method="qattn", recompute_ratio=0.15)
+    with vllm_serve(sys.executable, str(resolve("qwen2.5-coder-0.5b")), config, tmp_path / "serve.log", name="qwen",
+                    preexec_fn=_unpin, extra_args=("--enable-prompt-tokens-details", "--enable-auto-tool-choice",
+                                                   "--tool-call-parser", "hermes")) as url:
+        proc = subprocess.run([str(light_venv / "bin" / "python"), str(SCRIPTS / "tools_client.py"), url, "qwen",
+                               *CHUNKS, "--", QUESTION], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:] + (tmp_path / "serve.log").read_text()[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["tool_call"]["names"] == ["ferry_timetable"] and "stop" in report["tool_call"]["args"][0], report
+    assert report["tool_call"]["cache_read"] > 0                     # chunk reuse unchanged under tools
+    assert report["streamed_names"] == ["ferry_timetable"]
+    assert report["after_tool"]["text"] or report["after_tool"]["calls"]
+    assert isinstance(report["json_schema"], str) and report["json_schema"].strip(), report
+    assert isinstance(report["function_calling"], str) and report["function_calling"].strip(), report
+    assert report["llama_index"] == {**report["llama_index"], "function_calling": True, "names": ["timetable"]}
+    assert report["llama_index"]["cached"] > 0
+    assert report["local_refused"] and report["heavy"] == []
+
+
+@needs_vllm
 @pytest.mark.timeout(600)
 def test_unsupported_architecture_falls_back_to_plain_prefill_with_a_warning(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPTS / "unsupported_arch.py"), str(tmp_path)],

@@ -18,6 +18,7 @@ from typing import Any
 from ..config import DEFAULT_STORE, DEFAULT_TARGET, GenerationConfig, OffloadConfig, ReuseConfig
 from ..engines import open_engine
 from ..matching import chunk_index
+from ..wire import OPENAI_PARAMS
 from ..output import GenerationOutput, GenerationStats
 from .generate import agenerate_text, astream_text, generate_text, stream_text
 
@@ -75,10 +76,14 @@ class DropInSettings:
     def generate_kwargs(self, **call: Any) -> dict:
         """``engine.generate``'s keyword arguments: these settings under a call's own kwargs (``max_tokens``
         read as ``max_new_tokens``; None keeps the setting), checked alike."""
-        unknown = set(call) - set(PER_CALL) - {"max_tokens", "model"}
+        unknown = set(call) - set(PER_CALL) - set(OPENAI_PARAMS) - {"max_tokens", "model"}
         if unknown:
             raise ValueError(f"unsupported argument(s) {', '.join(sorted(unknown))}: a call may set "
-                             f"{', '.join(PER_CALL)}, max_tokens or model")
+                             f"{', '.join(PER_CALL)}, max_tokens or model, and in remote mode {', '.join(OPENAI_PARAMS)}")
+        server = {k: call[k] for k in OPENAI_PARAMS if call.get(k) is not None}
+        if server and not self.remote:
+            raise ValueError(f"{', '.join(server)} need a SpecCache vLLM server (base_url=…): the in-process engine "
+                             "has no tool-call parser or guided decoding")
         if call.get("model") not in (None, self.target):
             raise ValueError(f"a drop-in serves the one model it loaded ({self.target!r}); build another with "
                              f"target={call['model']!r} instead")
@@ -86,7 +91,7 @@ class DropInSettings:
         s = replace(self, **{k: v for k, v in call.items() if k in PER_CALL and v is not None})
         return dict(max_new_tokens=s.max_new_tokens, reuse=ReuseConfig(method=s.method, recompute_ratio=s.recompute_ratio),
                     offload=OffloadConfig.parse(s.offload), temperature=s.temperature, top_p=s.top_p, stop=s.stop,
-                    seed=s.seed)
+                    seed=s.seed, **({"openai_params": server} if server else {}))
 
 
 def init_arguments(kwargs: dict, engine: Any = None) -> dict:

@@ -1,7 +1,8 @@
 """``ChatSpecCache``: a LangChain chat model whose prompts reuse the KV of precomputed chunks."""
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Iterable, Iterator, Optional, Sequence, Union
+import json
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Literal, Optional, Sequence, Union
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.documents import Document
@@ -18,8 +19,13 @@ from langchain_core.messages import (
     ToolMessage,
 )
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import Field, PrivateAttr
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from pydantic import BaseModel, Field, PrivateAttr
 
 from langchain_speccache.callbacks import RetrievalHints
 from speccache_rag.contract import Engine
@@ -143,6 +149,53 @@ class ChatSpecCache(BaseChatModel, DropInFields):
             params["ls_stop"] = stop or self.stop
         return params
 
+    # ---- tools and structured output (remote mode: the vLLM server parses and guides) ---------------
+    def _need_server(self, what: str) -> None:
+        if not self.base_url:
+            raise ValueError(f"{what} needs a SpecCache vLLM server (base_url=…, served with "
+                             "--enable-auto-tool-choice --tool-call-parser …): the in-process engine has no "
+                             "tool-call parser or guided decoding")
+
+    def bind_tools(self, tools: Sequence[Union[dict[str, Any], type, Callable, BaseTool]], *,
+                   tool_choice: Optional[Union[str, bool, dict]] = None, **kwargs: Any) -> Runnable:
+        """Tools in OpenAI's format, sent to the server with every call; chunk reuse is unchanged.
+        ``tool_choice``: a tool's name, "auto", "none", "required"/"any"/True, or OpenAI's dict."""
+        self._need_server("bind_tools")
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        if tool_choice in ("any", True):
+            tool_choice = "required"
+        elif isinstance(tool_choice, str) and tool_choice not in ("auto", "none", "required"):
+            tool_choice = {"type": "function", "function": {"name": tool_choice}}
+        return super().bind(tools=formatted, **({"tool_choice": tool_choice} if tool_choice else {}), **kwargs)
+
+    def with_structured_output(self, schema: Union[dict[str, Any], type], *, include_raw: bool = False,
+                               method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
+                               strict: Optional[bool] = None, **kwargs: Any) -> Runnable:
+        """Outputs parsed into ``schema``: by a forced tool call (``function_calling``), by the server's guided
+        decoding against the JSON schema (``json_schema``), or as any JSON object (``json_mode``)."""
+        self._need_server("with_structured_output")
+        if method == "function_calling":
+            return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
+        if kwargs:
+            raise ValueError(f"unsupported argument(s) {', '.join(sorted(kwargs))}")
+        if method == "json_mode":
+            fmt: dict[str, Any] = {"type": "json_object"}
+        elif method == "json_schema":
+            spec = convert_to_json_schema(schema)
+            fmt = {"type": "json_schema", "json_schema": {"name": spec.get("title", "output"), "schema": spec,
+                                                          **({"strict": strict} if strict is not None else {})}}
+        else:
+            raise ValueError(f"method must be function_calling, json_schema or json_mode, got {method!r}")
+        parser = (PydanticOutputParser(pydantic_object=schema) if isinstance(schema, type) and
+                  issubclass(schema, BaseModel) else JsonOutputParser())
+        llm = super().bind(response_format=fmt, ls_structured_output_format={"kwargs": {"method": method},
+                                                                           "schema": schema})
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=lambda x: parser.invoke(x["raw"]), parsing_error=lambda _: None)
+        fallback = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([fallback], exception_key="parsing_error")
+
     # ---- generation ----------------------------------------------------------------------------
     def _hint_texts(self) -> Optional[list[str]]:
         return self._hints.texts() if self.use_retrieval_hints else None
@@ -160,17 +213,23 @@ class ChatSpecCache(BaseChatModel, DropInFields):
     def _chunk(self, item: Union[str, GenerationOutput]) -> ChatGenerationChunk:
         if isinstance(item, str):
             return ChatGenerationChunk(message=AIMessageChunk(content=item))
-        # The last chunk carries usage and statistics once, so that aggregating a stream counts them once.
-        return ChatGenerationChunk(message=AIMessageChunk(content="", chunk_position="last", **self._metadata(item)),
+        # The last chunk carries usage, statistics and tool calls once, so that aggregating a stream counts them once.
+        calls = [tool_call_chunk(name=c["function"]["name"], args=c["function"]["arguments"], id=c.get("id"), index=i)
+                 for i, c in enumerate(item.tool_calls or ())]
+        return ChatGenerationChunk(message=AIMessageChunk(content="", chunk_position="last", tool_call_chunks=calls,
+                                                          **self._metadata(item)),
                                    generation_info={"finish_reason": item.finish_reason})
 
     def _result(self, out: GenerationOutput) -> ChatResult:
-        message = AIMessage(content=out.text, **self._metadata(out))
+        calls = [{"name": c["function"]["name"], "args": json.loads(c["function"]["arguments"] or "{}"),
+                  "id": c.get("id"), "type": "tool_call"} for c in out.tool_calls or ()]
+        message = AIMessage(content=out.text, tool_calls=calls, **self._metadata(out))
         return ChatResult(generations=[ChatGeneration(message=message,
                                                       generation_info={"finish_reason": out.finish_reason})])
 
     def _stream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                 run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        kwargs.pop("ls_structured_output_format", None)        # LangChain's tracing, not a model argument
         for item in self._core.stream(self._settings(), _as_dicts(messages), self._hint_texts(), stop=stop, **kwargs):
             chunk = self._chunk(item)
             if run_manager and isinstance(item, str):
@@ -180,6 +239,7 @@ class ChatSpecCache(BaseChatModel, DropInFields):
     async def _astream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        kwargs.pop("ls_structured_output_format", None)
         async for item in self._core.astream(self._settings(), _as_dicts(messages), self._hint_texts(), stop=stop,
                                              **kwargs):
             chunk = self._chunk(item)
@@ -189,6 +249,7 @@ class ChatSpecCache(BaseChatModel, DropInFields):
 
     def _generate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                   run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
+        kwargs.pop("ls_structured_output_format", None)
         if self.streaming:
             return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
         return self._result(self._core.generate(self._settings(), _as_dicts(messages), self._hint_texts(), stop=stop,
@@ -196,6 +257,7 @@ class ChatSpecCache(BaseChatModel, DropInFields):
 
     async def _agenerate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                          run_manager: Optional[AsyncCallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
+        kwargs.pop("ls_structured_output_format", None)
         if self.streaming:
             return await agenerate_from_stream(self._astream(messages, stop, run_manager, **kwargs))
         return self._result(await self._core.agenerate(self._settings(), _as_dicts(messages), self._hint_texts(),
@@ -224,5 +286,12 @@ def _as_dicts(messages: Sequence[BaseMessage]) -> list[dict]:
             role = m.role
         else:
             raise ValueError(f"ChatSpecCache cannot send a {type(m).__name__} to the model")
-        out.append({"role": role, "content": _content_text(m.content)})
+        message = {"role": role, "content": _content_text(m.content)}
+        if isinstance(m, AIMessage) and m.tool_calls:
+            message["tool_calls"] = [{"id": c["id"], "type": "function",
+                                      "function": {"name": c["name"], "arguments": json.dumps(c["args"])}}
+                                     for c in m.tool_calls]
+        if isinstance(m, ToolMessage):
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out

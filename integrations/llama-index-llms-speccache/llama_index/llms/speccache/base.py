@@ -1,7 +1,8 @@
 """``SpecCacheLLM``: a LlamaIndex LLM whose prompts reuse the KV of precomputed chunks."""
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Dict, List, Optional, Sequence
+import json
+from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, List, Optional, Sequence, Union
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -16,7 +17,8 @@ from llama_index.core.base.llms.types import (
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.llm import LLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
 
 from llama_index.llms.speccache.hints import RetrievalHints
 from speccache_rag.contract import Engine
@@ -24,10 +26,13 @@ from speccache_rag.output import GenerationOutput, GenerationStats
 from speccache_rag.dropin import DropIn, DropInSettings, cached_tokens, init_arguments, usage
 from speccache_rag.dropin.fields import DropInFields
 
+if TYPE_CHECKING:
+    from llama_index.core.tools.types import BaseTool
+
 _ROLES = {"developer": "system", "chatbot": "assistant", "model": "assistant"}
 
 
-class SpecCacheLLM(LLM, DropInFields):
+class SpecCacheLLM(FunctionCallingLLM, DropInFields):
     """A local LLM that reuses the KV caches of retrieved chunks, repaired by speculative recompute.
 
     The prompt LlamaIndex builds is searched for chunks whose KV was precomputed (by
@@ -105,7 +110,7 @@ class SpecCacheLLM(LLM, DropInFields):
     @property
     def metadata(self) -> LLMMetadata:
         return LLMMetadata(context_window=self._context_window(), num_output=self.max_new_tokens,
-                           is_chat_model=True, is_function_calling_model=False,
+                           is_chat_model=True, is_function_calling_model=bool(self.base_url),
                            model_name=self.target or "unknown")
 
     def _context_window(self) -> int:
@@ -136,6 +141,31 @@ class SpecCacheLLM(LLM, DropInFields):
     def _precompute(self, texts: List[str], **kwargs: Any) -> List[str]:
         """The core's precompute, for ``SpecCacheKVPrecompute``."""
         return self._core.precompute(self._settings(), texts, **kwargs)
+
+    # ---- function calling (remote mode: the vLLM server parses the calls) --------------------------
+    def _prepare_chat_with_tools(self, tools: Sequence["BaseTool"], user_msg: Optional[Union[str, ChatMessage]] = None,
+                                 chat_history: Optional[List[ChatMessage]] = None, verbose: bool = False,
+                                 allow_parallel_tool_calls: bool = False, tool_required: bool = False,
+                                 **kwargs: Any) -> Dict[str, Any]:
+        if not self.base_url:
+            raise ValueError("function calling needs a SpecCache vLLM server (base_url=…, served with "
+                             "--enable-auto-tool-choice --tool-call-parser …): the in-process engine has no "
+                             "tool-call parser")
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str)
+                            else user_msg)
+        return {"messages": messages, "tools": [t.metadata.to_openai_tool() for t in tools] or None,
+                "tool_choice": "required" if tool_required else "auto",
+                "parallel_tool_calls": allow_parallel_tool_calls, **kwargs}
+
+    def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
+                                     **kwargs: Any) -> List[ToolSelection]:
+        calls = response.message.additional_kwargs.get("tool_calls") or []
+        if not calls and error_on_no_tool_call:
+            raise ValueError(f"expected at least one tool call, got none (text: {response.message.content!r})")
+        return [ToolSelection(tool_id=c.get("id") or "", tool_name=c["function"]["name"],
+                              tool_kwargs=json.loads(c["function"]["arguments"] or "{}")) for c in calls]
 
     # ---- the one generation path ---------------------------------------------------------------
     def _hints(self) -> Optional[List[str]]:
@@ -211,7 +241,9 @@ class SpecCacheLLM(LLM, DropInFields):
 
 def _final(out: GenerationOutput) -> CompletionResponse:
     stats = out.stats.to_dict()
-    return CompletionResponse(text=out.text, delta="", additional_kwargs={**stats, "cached_tokens": cached_tokens(out)},
+    calls = {"tool_calls": out.tool_calls} if out.tool_calls else {}
+    return CompletionResponse(text=out.text, delta="",
+                              additional_kwargs={**stats, "cached_tokens": cached_tokens(out), **calls},
                               raw={"stats": stats, "finish_reason": out.finish_reason, "token_ids": out.token_ids,
                                    "usage": usage(out)})
 
@@ -220,13 +252,15 @@ def _as_dicts(messages: Sequence[ChatMessage]) -> List[dict]:
     out = []
     for m in messages:
         role = m.role.value if isinstance(m.role, MessageRole) else str(m.role)
-        out.append({"role": _ROLES.get(role, role), "content": m.content or ""})
+        extra = {k: m.additional_kwargs[k] for k in ("tool_calls", "tool_call_id") if m.additional_kwargs.get(k)}
+        out.append({"role": _ROLES.get(role, role), "content": m.content or "", **extra})
     return out
 
 
 def _to_chat(r: CompletionResponse) -> ChatResponse:
-    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=r.text), delta=r.delta,
-                        raw=r.raw, additional_kwargs=r.additional_kwargs)
+    calls = {"tool_calls": r.additional_kwargs["tool_calls"]} if r.additional_kwargs.get("tool_calls") else {}
+    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=r.text, additional_kwargs=calls),
+                        delta=r.delta, raw=r.raw, additional_kwargs=r.additional_kwargs)
 
 
 __all__ = ["SpecCacheLLM"]
