@@ -51,7 +51,8 @@ def _wrap(test):
     return run
 
 
-_UNSUPPORTED = "ChatSpecCache has no tool calling or structured output (plain local text generation)"
+_UNSUPPORTED = ("the in-process engine has no tool calling or structured output (remote mode passes them to the "
+                "server: TestChatSpecCacheRemoteUnit here, tests/test_vllm.py against a real one)")
 
 
 class TestChatSpecCacheUnit(ChatModelUnitTests):
@@ -66,6 +67,31 @@ class TestChatSpecCacheUnit(ChatModelUnitTests):
     @property
     def supports_model_override(self) -> bool:
         return False
+
+
+class TestChatSpecCacheRemoteUnit(ChatModelUnitTests):
+    """Remote mode, where tools and structured output pass through to the server: the standard unit tests of
+    those run here (they bind and build, and need no server)."""
+
+    @property
+    def chat_model_class(self):
+        return ChatSpecCache
+
+    @property
+    def chat_model_params(self) -> dict:
+        return {"base_url": "http://127.0.0.1:9/v1", "model": "served"}
+
+    @property
+    def supports_model_override(self) -> bool:
+        return False
+
+    @property
+    def has_tool_calling(self) -> bool:
+        return True
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True
 
 
 class TestChatSpecCacheIntegration(ChatModelIntegrationTests):
