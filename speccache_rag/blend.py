@@ -6,6 +6,7 @@ paged blocks. Which tokens are recomputed is ``SELECTORS[method]`` in both.
 """
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import DRAFT_METHODS, ReuseConfig
-from .kv import ChunkKV, chunk_key
+from .kv import ChunkKV, chunk_key, tenant_fingerprint
 from .layers import LayerOps
 from .neighbors import choose as neighbors_choose
 from .output import GenerationStats
@@ -45,6 +46,15 @@ class Blender:
         self.ops, self.store, self.fingerprint, self.sink_ids, self.sink = ops, store, fingerprint, sink_ids, sink
         self.draft, self.hidden_states, self.selector = draft, hidden_states, selector
         self.gate_failed: list[str] = []    # set by gate.run: then every request is served by full prefill
+
+    def for_salt(self, cache_salt: str | None) -> "Blender":
+        """This blender under a tenant's ``cache_salt``: every key it makes or reads is the tenant's
+        (``kv.tenant_fingerprint``); gate verdict, store and models are shared."""
+        if cache_salt is None:
+            return self
+        salted = copy.copy(self)
+        salted.fingerprint = tenant_fingerprint(self.fingerprint, cache_salt)
+        return salted
 
     @torch.inference_mode()
     def chunk_kv(self, token_ids: list[int], key: str, text: str, context_ids: list[int] = (),
@@ -91,7 +101,9 @@ class Blender:
             else:
                 stats.context_variants += 1
             n = len(ids)
-            if entry is None or entry.token_ids[:n] != ids:
+            # a key handed in (a text index, a client) must name an entry of this model and tenant
+            if entry is None or entry.token_ids[:n] != ids or entry.meta.get("fingerprint",
+                                                                            self.fingerprint) != self.fingerprint:
                 stats.cache_misses += 1
                 missed.append(seg)
                 continue

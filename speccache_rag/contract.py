@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .config import SINK_POLICIES, GenerationConfig, OffloadConfig, ReuseConfig
+from .kv import tenant_fingerprint
 from .output import GenerationOutput, GenerationStream
 from .prompt import RAGPrompt
 
@@ -25,6 +26,7 @@ class Request:
     reuse: ReuseConfig | None
     offload: OffloadConfig | None
     return_first_logits: bool
+    cache_salt: str | None = None           # the tenant: chunks are shared within a salt, never across
 
 
 def check_sink(sink: str) -> str:
@@ -52,7 +54,8 @@ class Engine:
 
     def request(self, prompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None, temperature: float = 0.0,
                 top_p: float = 1.0, stop: Iterable[str] | str | None = None, seed: int | None = None,
-                return_first_logits: bool = False, offload: OffloadConfig | str | None = None) -> Request:
+                return_first_logits: bool = False, offload: OffloadConfig | str | None = None,
+                cache_salt: str | None = None) -> Request:
         """The arguments of ``generate`` / ``stream``, checked the same way on every backend."""
         if not isinstance(prompt, RAGPrompt):
             raise TypeError(f"prompt must be a RAGPrompt, got {type(prompt).__name__}")
@@ -63,7 +66,8 @@ class Engine:
         offload = OffloadConfig.parse(offload)
         if offload is not None and self.offload_note:
             raise ValueError(self.offload_note)
-        return Request(prompt, gen, reuse, offload, return_first_logits)
+        tenant_fingerprint("", cache_salt)                  # checks it
+        return Request(prompt, gen, reuse, offload, return_first_logits, cache_salt)
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
         if prompt_tokens + max_new_tokens > self.context_window:
@@ -78,14 +82,14 @@ class Engine:
 
     def stream(self, prompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None, temperature: float = 0.0,
                top_p: float = 1.0, stop: Iterable[str] | str | None = None, seed: int | None = None,
-               return_first_logits: bool = False, offload=None) -> GenerationStream:
+               return_first_logits: bool = False, offload=None, cache_salt: str | None = None) -> GenerationStream:
         raise NotImplementedError
 
     def generate(self, prompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, stop: Iterable[str] | str | None = None, seed: int | None = None,
-                 return_first_logits: bool = False, offload=None) -> GenerationOutput:
+                 return_first_logits: bool = False, offload=None, cache_salt: str | None = None) -> GenerationOutput:
         stream = self.stream(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits,
-                             offload=offload)
+                             offload=offload, cache_salt=cache_salt)
         for _ in stream:
             pass
         return stream.output

@@ -94,36 +94,38 @@ class SpecCacheEngine(Engine):
 
     # ---- ingestion ------------------------------------------------------------------------------
     def precompute(self, texts: Iterable[str], progress: bool = False,
-                   context: Sequence[Sequence[str]] | None = None) -> list[str]:
+                   context: Sequence[Sequence[str]] | None = None, cache_salt: str | None = None) -> list[str]:
         """Compute and store the KV of each chunk text (idempotent); returns their (plain) keys in order.
 
         context: for each text, the texts to prefill it after as well — its nearest neighbours in the
         corpus (``neighbors.nearest`` over the ingestion embeddings) — stored as a variant beside the plain
-        entry; queries that retrieve those neighbours too read the variant (``ReuseConfig.neighbors``)."""
+        entry; queries that retrieve those neighbours too read the variant (``ReuseConfig.neighbors``).
+        cache_salt: the tenant the chunks are stored for (only requests with the same salt reuse them)."""
         from tqdm.auto import tqdm
 
         texts = chunk_texts(texts)
         if context is not None and len(context) != len(texts):
             raise ValueError(f"context has {len(context)} entries for {len(texts)} texts: give one list per text")
+        blender = self.blender.for_salt(cache_salt)
         keys = []
         for i, text in enumerate(tqdm(texts, desc="precompute KV", unit="chunk", disable=not progress)):
             ids, _ = tokenize_piece(self.tokenizer, text)
-            self.check_chunk_fits(len(ids), len(self.blender.sink_ids))
-            key, _ = self.blender.ensure_stored(ids, text)
+            self.check_chunk_fits(len(ids), len(blender.sink_ids))
+            key, _ = blender.ensure_stored(ids, text)
             if context is not None and context[i]:
-                self._precompute_variant(ids, key, text, list(context[i]))
+                self._precompute_variant(blender, ids, key, text, list(context[i]))
             keys.append(key)
         return keys
 
-    def _precompute_variant(self, ids: list[int], key: str, text: str, context: list[str]) -> None:
+    def _precompute_variant(self, blender: Blender, ids: list[int], key: str, text: str, context: list[str]) -> None:
         if any(not isinstance(c, str) or not c.strip() for c in context):
             raise ValueError("context texts must be non-empty strings")
         ctx_ids = neighbors.context_ids(self.tokenizer, context)
         if len(ctx_ids) + len(ids) + len(self.blender.sink_ids) > self.context_window:
             raise ValueError(f"a chunk of {len(ids)} tokens after {len(ctx_ids)} tokens of context exceeds the "
                              f"context window of {self.context_window} tokens; pass fewer neighbours")
-        ctx_keys = [chunk_key(self.fingerprint, tokenize_piece(self.tokenizer, c)[0]) for c in context]
-        vkey, _ = self.blender.ensure_stored(ids, text, ctx_ids, ctx_keys)
+        ctx_keys = [chunk_key(blender.fingerprint, tokenize_piece(self.tokenizer, c)[0]) for c in context]
+        vkey, _ = blender.ensure_stored(ids, text, ctx_ids, ctx_keys)
         neighbors.register(self.store, key, vkey, ctx_keys)
 
     def chunk_kv(self, token_ids: list[int], key: str, text: str) -> ChunkKV:
@@ -134,28 +136,30 @@ class SpecCacheEngine(Engine):
     def stream(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                temperature: float = 0.0, top_p: float = 1.0, stop: Iterable[str] | str | None = None,
                seed: int | None = None, return_first_logits: bool = False,
-               offload: OffloadConfig | str | None = None) -> "GenerationStream":
+               offload: OffloadConfig | str | None = None, cache_salt: str | None = None) -> "GenerationStream":
         """An iterator of text pieces as they are generated; its ``.output`` holds the result once it is done.
 
         Everything about the request lives in the iterator, so one engine serves many threads and
         interleaved streams. Chunks that missed the store are stored when the generation ends, also when
         the caller abandons the stream, so the next request finds them. ``offload`` ("2bit", "1bit" or an
-        :class:`OffloadConfig`) decodes over SpeCache's two-tier KV after the (blended) prefill."""
+        :class:`OffloadConfig`) decodes over SpeCache's two-tier KV after the (blended) prefill. ``cache_salt``:
+        the tenant — only chunks stored under the same salt are reused, and missed ones are stored under it."""
         start = time.perf_counter()
-        req = self.request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits, offload)
+        req = self.request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits, offload,
+                           cache_salt)
         tokens = render(req.prompt, self.tokenizer)
         self.check_fits(len(tokens), req.gen.max_new_tokens)
         stream = GenerationStream()
-        stream._pieces = self._run(stream, req.prompt, tokens, req.gen, req.reuse or ReuseConfig(),
-                                   return_first_logits, start, req.offload)
+        stream._pieces = self._run(stream, self.blender.for_salt(cache_salt), req.prompt, tokens, req.gen,
+                                   req.reuse or ReuseConfig(), return_first_logits, start, req.offload)
         return stream
 
-    def _run(self, stream: "GenerationStream", prompt: RAGPrompt, tokens: TokenizedPrompt, gen: GenerationConfig,
-             reuse: ReuseConfig, return_first_logits: bool, start: float,
+    def _run(self, stream: "GenerationStream", blender: Blender, prompt: RAGPrompt, tokens: TokenizedPrompt,
+             gen: GenerationConfig, reuse: ReuseConfig, return_first_logits: bool, start: float,
              offload: OffloadConfig | None) -> Iterator[str]:
         stats = GenerationStats(method=reuse.method, prompt_tokens=len(tokens), dtype=self.dtype)
         cache = KVCache.empty(self.ops, len(tokens) + gen.max_new_tokens)
-        blended = self.blender.blend(tokens, cache, reuse, stats, prompt=prompt)
+        blended = blender.blend(tokens, cache, reuse, stats, prompt=prompt)
         first_logits = blended.logits
 
         generator = torch.Generator().manual_seed(gen.seed) if gen.seed is not None else None
@@ -177,7 +181,7 @@ class SpecCacheEngine(Engine):
             if decoder:
                 decoder.close()
             if self.fill_misses and blended.missed:
-                self.blender.store_missed(tokens, blended.missed, stats)
+                blender.store_missed(tokens, blended.missed, stats)
 
     def _decode(self, stream: "GenerationStream", step: Callable[[int, int], torch.Tensor], position: int,
                 next_id: int, generator,

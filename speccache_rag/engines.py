@@ -44,7 +44,7 @@ def engine_class(backend: str) -> type:
 
 def open_engine(target: str | None, draft: str | None = None, store=None, backend: str | None = None,
                 dtype="auto", threads: int | None = None, base_url: str | None = None, api_key: str | None = None,
-                timeout: float = 600.0, max_retries: int = 2, **engine_kwargs):
+                timeout: float = 600.0, max_retries: int = 2, cache_salt: str | None = None, **engine_kwargs):
     """An engine from the arguments every caller has: the CLI, both drop-ins, user code.
 
     backend: "torch" (default), "vllm" (in-process vLLM) or "remote" (a SpecCache ``vllm serve`` at
@@ -52,13 +52,14 @@ def open_engine(target: str | None, draft: str | None = None, store=None, backen
     for remote, the served model's name (None: the server's first). The remote engine computes nothing
     here: draft, dtype and threads are the server's, and ``store`` (optional) is its shared store, read for
     its chunk-text index. store: a directory, "memory://" or "redis://…" (default ``config.DEFAULT_STORE``
-    for the local backends)."""
+    for the local backends). cache_salt: the remote client's tenant, sent with every request (local engines take
+    it per call)."""
     backend = backend or ("remote" if base_url else "torch")
     if backend == "remote":
         if not base_url:
             raise ValueError("backend='remote' needs base_url, e.g. http://localhost:8000/v1")
         return engine_class("remote")(base_url, model=target, api_key=api_key, store=store, timeout=timeout,
-                                      max_retries=max_retries)
+                                      max_retries=max_retries, cache_salt=cache_salt)
     if base_url:
         raise ValueError(f"base_url is for backend='remote', not {backend!r}")
     if not target:

@@ -132,6 +132,17 @@ def chunk_key(fingerprint: str, token_ids: list[int], context_ids: list[int] = (
     return h.hexdigest()
 
 
+def tenant_fingerprint(fingerprint: str, cache_salt: str | None) -> str:
+    """The fingerprint a request's chunk keys are made with: the model's, or for a ``cache_salt`` (vLLM's
+    per-request field; a tenant) one derived from both — so chunks are shared within a salt and never across,
+    and a key reveals nothing to whoever lacks the salt."""
+    if cache_salt is None:
+        return fingerprint
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+    return hashlib.sha256(f"{fingerprint}|cache_salt={cache_salt}".encode()).hexdigest()
+
+
 def model_fingerprint(model, tokenizer, sink: str) -> str:
     """Identity of everything that makes a chunk's KV what it is: weights, tokenizer, dtype, layout, sink.
 

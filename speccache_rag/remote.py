@@ -28,11 +28,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .config import ReuseConfig
-from .kv import chunk_key
+from .kv import chunk_key, tenant_fingerprint
 from .matching import chunk_index
 from .contract import Engine, chunk_texts
-from .output import GenerationOutput, GenerationStats, GenerationStream
+from .output import GenerationOutput, GenerationStream
 from .prompt import RAGPrompt
+from .remote_output import Accumulator, finish_reason, plain_usage, stats_from
 from . import wire
 
 logger = logging.getLogger("speccache_rag.remote")
@@ -79,7 +80,11 @@ class RemoteEngine(Engine):
                     "attention (docs/vllm.md)")
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None, store=None,
-                 timeout: float = 600.0, max_retries: int = 2):
+                 timeout: float = 600.0, max_retries: int = 2, cache_salt: str | None = None):
+        """``cache_salt``: this client's tenant — sent with every request (vLLM's own field), so that its
+        chunks are shared with requests of the same salt only; a call's ``cache_salt=`` overrides it."""
+        tenant_fingerprint("", cache_salt)                    # checks it
+        self.cache_salt = cache_salt
         openai = _openai()
         import httpx
 
@@ -150,13 +155,16 @@ class RemoteEngine(Engine):
     def context_window(self) -> int:
         return int(self._model_card().get("max_model_len") or 2048)
 
-    def info(self, keys: Iterable[str] = ()) -> dict:
+    def _salted(self, extra: dict, cache_salt: str | None) -> dict:
+        salt = cache_salt or self.cache_salt
+        return {**extra, "cache_salt": salt} if salt else extra
+
+    def info(self, keys: Iterable[str] = (), cache_salt: str | None = None) -> dict:
         """The server's SpecCache facts (fingerprint, sink_ids, dtype, defaults); ``keys``: → ``stored``,
         those of them its store holds. Raises if the server does not run the SpecCache connector."""
         keys = list(keys)
         resp = self._call(self.client.completions.create, model=self.name, prompt="info", max_tokens=1,
-                          temperature=0.0,
-                          extra_body=wire.wrap(wire.info(keys)))
+                          temperature=0.0, extra_body=self._salted(wire.wrap(wire.info(keys)), cache_salt))
         info = wire.read((resp.model_extra or {}).get("kv_transfer_params")) or None
         if info and "error" in info:
             raise RuntimeError(f"the SpecCache connector at {self.base_url} could not answer: {info['error']}")
@@ -200,9 +208,10 @@ class RemoteEngine(Engine):
         return list(r.json()["tokens"])
 
     # ---- ingestion ---------------------------------------------------------------------------------
-    def precompute(self, texts: Iterable[str], progress: bool = False) -> list[str]:
+    def precompute(self, texts: Iterable[str], progress: bool = False, cache_salt: str | None = None) -> list[str]:
         """Have the server compute and store each chunk's KV (idempotent); → the chunks' keys.
-        ``last_precompute`` says how many were new, already stored, or failed."""
+        ``last_precompute`` says how many were new, already stored, or failed. ``cache_salt``: the tenant
+        (default: this client's)."""
         from tqdm.auto import tqdm
 
         texts = chunk_texts(texts)
@@ -211,16 +220,17 @@ class RemoteEngine(Engine):
             ids_of = list(pool.map(self.tokenize, texts))
         for ids in ids_of:
             self.check_chunk_fits(len(ids), len(sink))
-        keys = [chunk_key(self.fingerprint, ids) for ids in ids_of]
+        salt = cache_salt or self.cache_salt
+        keys = [chunk_key(tenant_fingerprint(self.fingerprint, salt), ids) for ids in ids_of]
         todo = dict(zip(keys, ids_of))
-        stored = set(self.info(list(todo))["stored"])
+        stored = set(self.info(list(todo), salt)["stored"])
         summary = PrecomputeSummary(chunks=len(todo), already_stored=len(stored))
         todo = {k: ids for k, ids in todo.items() if k not in stored}
 
         def one(ids: list[int]) -> None:
             params = wire.precompute(len(sink), len(sink) + len(ids), wire.new_tag())
             self._call(self.client.completions.create, model=self.name, prompt=sink + ids + ids[-1:], max_tokens=1,
-                       temperature=0.0, extra_body=wire.wrap(params))
+                       temperature=0.0, extra_body=self._salted(wire.wrap(params), salt))
 
         with tqdm(total=len(todo), desc="precompute KV (server)", unit="chunk", disable=not progress) as bar, \
                 ThreadPoolExecutor(PRECOMPUTE_IN_FLIGHT) as pool:
@@ -232,7 +242,7 @@ class RemoteEngine(Engine):
                 except Exception as e:     # counted below (the store is the judge), the rest go on
                     logger.warning("SpecCache: a precompute request failed: %s", e)
                 bar.update(1)
-        now = set(self.info(list(todo))["stored"]) if todo else set()
+        now = set(self.info(list(todo), salt)["stored"]) if todo else set()
         summary.new, summary.failed = len(now), [k for k in todo if k not in now]
         self.last_precompute = summary
         logger.info("SpecCache precompute on %s: %s", self.base_url, summary.line())
@@ -244,16 +254,18 @@ class RemoteEngine(Engine):
     # ---- queries -----------------------------------------------------------------------------------
     def _request(self, prompt: RAGPrompt, max_new_tokens: int, reuse: ReuseConfig | None, temperature: float,
                  top_p: float, stop, seed, return_first_logits: bool, offload,
-                 openai_params: dict | None = None) -> tuple[dict, str]:
-        req = self.request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits, offload)
+                 openai_params: dict | None = None, cache_salt: str | None = None) -> tuple[dict, str]:
+        req = self.request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits, offload,
+                           cache_salt)
         if return_first_logits:
             raise ValueError("first-token logits are not available from a remote server")
-        index = chunk_index(self)
-        keys = [k for t in req.prompt.chunks for k in index.keys(t)]
+        salt = cache_salt or self.cache_salt
+        # the text index knows unsalted keys; a tenant's chunks the server finds by content in that tenant's store
+        keys = None if salt else [k for t in req.prompt.chunks for k in chunk_index(self).keys(t)]
         gen = req.gen
         body = dict(model=self.name, messages=req.prompt.messages(req.prompt.chunks), max_tokens=gen.max_new_tokens,
                     temperature=gen.temperature, top_p=gen.top_p, stop=list(gen.stop) or None, seed=gen.seed,
-                    extra_body=wire.wrap(wire.query(req.reuse, wire.new_tag(), chunks=keys)))
+                    extra_body=self._salted(wire.wrap(wire.query(req.reuse, wire.new_tag(), chunks=keys)), salt))
         unknown = set(openai_params or ()) - set(wire.OPENAI_PARAMS)
         if unknown:
             raise ValueError(f"unsupported request field(s) {', '.join(sorted(unknown))}: the server is sent "
@@ -266,20 +278,22 @@ class RemoteEngine(Engine):
 
     def generate(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, stop=None, seed: int | None = None,
-                 return_first_logits: bool = False, offload=None, openai_params: dict | None = None) -> GenerationOutput:
+                 return_first_logits: bool = False, offload=None, openai_params: dict | None = None,
+                 cache_salt: str | None = None) -> GenerationOutput:
         """One non-streamed request: the response carries every statistic of the blend. ``openai_params``: the
         ``wire.OPENAI_PARAMS`` fields (tools, response_format, …), sent as they are."""
         body, method = self._request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed,
-                                     return_first_logits, offload, openai_params)
+                                     return_first_logits, offload, openai_params, cache_salt)
         start = time.perf_counter()
         resp = self._call(self.client.chat.completions.create, **body)
         return self._output(resp, method, start)
 
     async def agenerate(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                         temperature: float = 0.0, top_p: float = 1.0, stop=None, seed: int | None = None,
-                        offload=None, openai_params: dict | None = None) -> GenerationOutput:
+                        offload=None, openai_params: dict | None = None,
+                        cache_salt: str | None = None) -> GenerationOutput:
         body, method = self._request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, False, offload,
-                                     openai_params)
+                                     openai_params, cache_salt)
         start = time.perf_counter()
         resp = await self._acall(self._aclient().chat.completions.create(**body))
         return self._output(resp, method, start)
@@ -291,17 +305,18 @@ class RemoteEngine(Engine):
         for item in report.get("ignored", ()):
             logger.warning("SpecCache server ignored chunk id %s: %s", str(item.get("key"))[:16], item.get("reason"))
             chunk_index(self).forget(str(item.get("key")))       # not sent again
-        stats = _stats(method, resp.usage, report, elapsed, elapsed)
+        stats = stats_from(method, resp.usage, report, elapsed, elapsed)
         calls = [c.model_dump(exclude_none=True) for c in choice.message.tool_calls or ()]
-        return GenerationOutput(choice.message.content or "", [], stats, _finish(choice.finish_reason),
-                                usage=_plain(resp.usage), tool_calls=calls or None)
+        return GenerationOutput(choice.message.content or "", [], stats, finish_reason(choice.finish_reason),
+                                usage=plain_usage(resp.usage), tool_calls=calls or None)
 
     def stream(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                temperature: float = 0.0, top_p: float = 1.0, stop=None, seed: int | None = None,
-               return_first_logits: bool = False, offload=None, openai_params: dict | None = None) -> GenerationStream:
+               return_first_logits: bool = False, offload=None, openai_params: dict | None = None,
+               cache_salt: str | None = None) -> GenerationStream:
         """Text pieces as the server sends them; ``.output`` (usage-based statistics, tool calls) once done."""
         body, method = self._request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed,
-                                     return_first_logits, offload, openai_params)
+                                     return_first_logits, offload, openai_params, cache_salt)
         stream = GenerationStream()
         stream._pieces = self._pieces(stream, body, method)
         return stream
@@ -310,7 +325,7 @@ class RemoteEngine(Engine):
         start = time.perf_counter()
         events = self._call(self.client.chat.completions.create, stream=True,
                             stream_options={"include_usage": True}, **body)
-        acc = _Accumulator(method, start)
+        acc = Accumulator(method, start)
         try:
             for event in events:
                 piece = acc.add(event)
@@ -322,14 +337,15 @@ class RemoteEngine(Engine):
 
     async def astream(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                       temperature: float = 0.0, top_p: float = 1.0, stop=None, seed: int | None = None,
-                      offload=None, openai_params: dict | None = None) -> AsyncIterator[str | GenerationOutput]:
+                      offload=None, openai_params: dict | None = None,
+                      cache_salt: str | None = None) -> AsyncIterator[str | GenerationOutput]:
         """Async text pieces, then this call's ``GenerationOutput`` (as ``dropin.astream_text``)."""
         body, method = self._request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, False, offload,
-                                     openai_params)
+                                     openai_params, cache_salt)
         start = time.perf_counter()
         events = await self._acall(self._aclient().chat.completions.create(
             stream=True, stream_options={"include_usage": True}, **body))
-        acc = _Accumulator(method, start)
+        acc = Accumulator(method, start)
         try:
             async for event in events:
                 piece = acc.add(event)
@@ -341,62 +357,6 @@ class RemoteEngine(Engine):
 
     def close(self) -> None:
         self.client.close()
-
-
-class _Accumulator:
-    """A streamed chat completion, gathered into text, tool calls, timing and usage."""
-
-    def __init__(self, method: str, start: float):
-        self.method, self.start = method, start
-        self.text, self.usage, self.finish, self.ttft = "", None, None, None
-        self.calls: dict[int, dict] = {}        # tool calls by index, their arguments arriving in pieces
-
-    def add(self, event) -> str:
-        if event.usage is not None:
-            self.usage = event.usage
-        piece = ""
-        for choice in event.choices:
-            piece += choice.delta.content or ""
-            self.finish = choice.finish_reason or self.finish
-            for delta in choice.delta.tool_calls or ():
-                call = self.calls.setdefault(delta.index, {"id": None, "type": "function",
-                                                           "function": {"name": "", "arguments": ""}})
-                call["id"] = delta.id or call["id"]
-                if delta.function is not None:
-                    call["function"]["name"] += delta.function.name or ""
-                    call["function"]["arguments"] += delta.function.arguments or ""
-        if piece and self.ttft is None:
-            self.ttft = time.perf_counter() - self.start
-        self.text += piece
-        return piece
-
-    def output(self) -> GenerationOutput:
-        stats = _stats(self.method, self.usage, {}, self.ttft or 0.0, time.perf_counter() - self.start)
-        calls = [self.calls[i] for i in sorted(self.calls)]
-        return GenerationOutput(self.text, [], stats, _finish(self.finish), usage=_plain(self.usage),
-                                tool_calls=calls or None)
-
-
-def _plain(usage) -> dict | None:
-    return usage.model_dump(exclude_none=True) if usage is not None else None
-
-
-def _finish(reason: str | None) -> str:
-    return reason if reason in ("stop", "tool_calls") else "length"
-
-
-def _stats(method: str, usage, report: dict, ttft: float, total: float) -> GenerationStats:
-    """Statistics from the server's report where it sent one, else from its usage block."""
-    stats = GenerationStats.from_dict(report) if "prompt_tokens" in report else GenerationStats(method, 0)
-    stats.method = method
-    if usage is not None:
-        stats.prompt_tokens, stats.generated_tokens = usage.prompt_tokens, usage.completion_tokens
-        details = usage.prompt_tokens_details
-        if "prompt_tokens" not in report:
-            stats.reused_tokens = int(getattr(details, "cached_tokens", 0) or 0)
-            stats.recomputed_tokens = stats.prompt_tokens - stats.reused_tokens
-    stats.ttft_s, stats.total_s = ttft, total
-    return stats
 
 
 __all__ = ["RemoteEngine", "PrecomputeSummary", "ServerUnavailable"]

@@ -41,7 +41,7 @@ def test_both_adapters_open_the_remote_engine_alike(adapter, monkeypatch):
     adapter(base_url=URL, model="m", api_key="k", timeout=5.0, max_retries=0).engine
     adapter(base_url=URL, model="m").engine
     assert opened[0] == ("m", dict(draft=None, store=None, backend=None, dtype="auto", device=None, base_url=URL, api_key="k",
-                                   timeout=5.0, max_retries=0))
+                                   cache_salt=None, timeout=5.0, max_retries=0))
     assert "timeout" not in opened[1][1] and "max_retries" not in opened[1][1]     # open_engine's own defaults
 
 

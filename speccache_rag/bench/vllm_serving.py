@@ -14,8 +14,9 @@ Workload: the demo documents cut into chunks of about ``--chunk-tokens`` tokens,
 first (not timed); each request asks one demo question over ``--chunks-per-request`` chunks (its
 source documents' chunks first, then random others, shuffled), so requests have different chunk
 sets and orders. All requests of a method are submitted at once (vLLM batches them); methods
-alternate for ``--rounds`` rounds. Every request carries a unique cache salt, so vLLM's prefix
-cache never serves one request's prompt to another: each method computes every request cold.
+alternate for ``--rounds`` rounds. Every full-prefill request carries a unique cache salt and the
+connector keeps every blended request's blocks private, so vLLM's prefix cache never serves one request's
+prompt to another: each method computes every request cold.
 """
 from __future__ import annotations
 
@@ -101,9 +102,12 @@ def run_bench(engine, prompts: list[RAGPrompt], max_new_tokens: int = 16, method
         for m in methods:
             reuse = ReuseConfig(method="full" if m == PREFIX_CACHE else m, recompute_ratio=recompute_ratio)
             t = time.perf_counter()
+            # full prefill computed cold: a fresh salt per round (and per request, but for the prefix-cache
+            # baseline); blended requests carry none (the connector keeps their blocks private, and a salt
+            # would be a tenant without chunks)
+            cold = {"cache_salt": f"bench-{r}-{m}-{time.time_ns()}", "salt_per_request": m != PREFIX_CACHE}
             outs = engine.generate_many(prompts, max_new_tokens=max_new_tokens, reuse=reuse,
-                                        cache_salt=f"bench-{r}-{m}-{time.time_ns()}",
-                                        salt_per_request=m != PREFIX_CACHE)
+                                        **(cold if reuse.method == "full" else {}))
             walls[m].append(time.perf_counter() - t)
             ttfts[m] += [o.stats.ttft_s for o in outs]
             recomputed[m] += [o.stats.recomputed_tokens / o.stats.prompt_tokens for o in outs]
@@ -174,8 +178,8 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             texts, prompts = demo_workload(engine.tokenizer, requests, per_request, chunk_tokens, args.seed)
         engine.precompute(texts, progress=True)
-        warm = engine.generate_many(prompts[:1], max_new_tokens=2, reuse=ReuseConfig(method="speccache"),
-                                    cache_salt="warmup")              # loads the draft; not timed
+        warm = engine.generate_many(prompts[:1], max_new_tokens=2,
+                                    reuse=ReuseConfig(method="speccache"))   # loads the draft; not timed
         del warm
         result = run_bench(engine, prompts, args.max_new_tokens, tuple(args.methods), args.ratio, args.rounds)
         from ..prompt import render

@@ -17,12 +17,14 @@ from typing import Any
 
 from ..config import DEFAULT_STORE, DEFAULT_TARGET, GenerationConfig, OffloadConfig, ReuseConfig
 from ..engines import open_engine
+from ..kv import tenant_fingerprint
 from ..matching import chunk_index
 from ..wire import OPENAI_PARAMS
 from ..output import GenerationOutput, GenerationStats
 from .generate import agenerate_text, astream_text, generate_text, stream_text
 
-PER_CALL = ("max_new_tokens", "method", "recompute_ratio", "offload", "temperature", "top_p", "stop", "seed")
+PER_CALL = ("max_new_tokens", "method", "recompute_ratio", "offload", "temperature", "top_p", "stop", "seed",
+            "cache_salt")
 
 Prompt = str | Sequence[dict]       # a completion prompt, or {"role", "content"} messages
 
@@ -49,12 +51,14 @@ class DropInSettings:
     api_key: str | None = None
     timeout: float | None = None            # None: the remote engine's own default, kept in one place
     max_retries: int | None = None
+    cache_salt: str | None = None           # the tenant: chunks are shared within a salt, never across
 
     def __post_init__(self):
         ReuseConfig(method=self.method, recompute_ratio=self.recompute_ratio)
         GenerationConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
         if OffloadConfig.parse(self.offload) is not None and self.remote:
             raise ValueError("offloaded decoding runs in-process only; remote mode (base_url) cannot use it")
+        tenant_fingerprint("", self.cache_salt)                # checks it
         if (self.timeout is not None and self.timeout <= 0) or (self.max_retries is not None and self.max_retries < 0):
             raise ValueError(f"need timeout > 0 and max_retries >= 0, got {self.timeout} and {self.max_retries}")
 
@@ -71,7 +75,7 @@ class DropInSettings:
         limits = {"timeout": self.timeout, "max_retries": self.max_retries}
         return open_engine(self.target, draft=self.draft, store=self.store, backend=self.backend, dtype=self.dtype,
                            device=self.device, base_url=self.base_url, api_key=self.api_key,
-                           **{k: v for k, v in limits.items() if v is not None})
+                           cache_salt=self.cache_salt, **{k: v for k, v in limits.items() if v is not None})
 
     def generate_kwargs(self, **call: Any) -> dict:
         """``engine.generate``'s keyword arguments: these settings under a call's own kwargs (``max_tokens``
@@ -91,7 +95,8 @@ class DropInSettings:
         s = replace(self, **{k: v for k, v in call.items() if k in PER_CALL and v is not None})
         return dict(max_new_tokens=s.max_new_tokens, reuse=ReuseConfig(method=s.method, recompute_ratio=s.recompute_ratio),
                     offload=OffloadConfig.parse(s.offload), temperature=s.temperature, top_p=s.top_p, stop=s.stop,
-                    seed=s.seed, **({"openai_params": server} if server else {}))
+                    seed=s.seed, **({"openai_params": server} if server else {}),
+                    **({"cache_salt": s.cache_salt} if s.cache_salt else {}))
 
 
 def init_arguments(kwargs: dict, engine: Any = None) -> dict:
@@ -193,18 +198,18 @@ class DropIn:
         engine writing into the store the server reads: refused (``ValueError``) unless the server would
         read its KV, and the keys are taught to the remote engine, which sends them with queries."""
         if engine is None:
-            return precompute_texts(self.engine(settings), texts, progress, embeddings, neighbors)
+            return precompute_texts(self.engine(settings), texts, progress, embeddings, neighbors, settings.cache_salt)
         if not settings.remote:
             raise ValueError("precompute(engine=...) is for remote mode; a local drop-in has its own engine")
         server = self.engine(settings)
         server.check_engine(engine)
-        keys = precompute_texts(engine, texts, progress, embeddings, neighbors)
+        keys = precompute_texts(engine, texts, progress, embeddings, neighbors, settings.cache_salt)
         chunk_index(server).add([t.strip() for t in texts], keys)
         return keys
 
 
 def precompute_texts(engine: Any, texts: Iterable[str], progress: bool = False, embeddings: Any = None,
-                     neighbors: int = 0) -> list[str]:
+                     neighbors: int = 0, cache_salt: str | None = None) -> list[str]:
     """``engine.precompute`` of the stripped texts, remembered for matching; → their keys.
 
     neighbors > 0: each text is also stored prefilled after its ``neighbors`` nearest texts of this batch by
@@ -216,7 +221,8 @@ def precompute_texts(engine: Any, texts: Iterable[str], progress: bool = False, 
         if not hasattr(engine, "blender"):
             raise ValueError("ingestion-time neighbours are computed by the torch engine: precompute with a local "
                              "engine (remote mode: precompute(..., engine=SpecCacheEngine.from_pretrained(...)))")
-    keys = engine.precompute(texts, progress=progress, **({"context": context} if context else {}))
+    keys = engine.precompute(texts, progress=progress, **({"context": context} if context else {}),
+                             **({"cache_salt": cache_salt} if cache_salt else {}))
     chunk_index(engine).add(texts, keys)
     return keys
 

@@ -53,6 +53,8 @@ class DropInFields(BaseModel):
                                      "(None: 600).")
     max_retries: Optional[int] = Field(default=None, description="Remote mode: retries of a failed connection "
                                        "(None: 2).")
+    cache_salt: Optional[str] = Field(default=None, description="The tenant (vLLM's request field): chunks are "
+                                      "stored and reused within one salt, never across; a call may pass its own.")
 
     @model_validator(mode="after")
     def _check(self) -> DropInFields:

@@ -79,40 +79,44 @@ class PagedBlender:
 
     @torch.inference_mode()
     def blend(self, token_ids: list[int], spans: list, reuse: ReuseConfig, slots: torch.Tensor,
-              prompt: RAGPrompt | None = None, precompute: bool = False) -> GenerationStats:
+              prompt: RAGPrompt | None = None, precompute: bool = False,
+              cache_salt: str | None = None) -> GenerationStats:
         """Blend every prompt position, then write positions [0, len(slots)) into the paged cache (vLLM
         computes the last prompt token again itself, attending to them).
 
         spans: [start, end] per chunk, or [start, end, key] when the scheduler found it in the store
         (then [start, end) may be a prefix of that entry's tokens). precompute: the request is
-        [sink] + chunk + one token, whose chunk KV is stored."""
+        [sink] + chunk + one token, whose chunk KV is stored. cache_salt: the request's tenant, whose keys alone
+        it reads and writes."""
+        core = self.core.for_salt(cache_salt)
         tokens, prompt = self.tokens(token_ids, spans, prompt)
         stats = GenerationStats(method="precompute" if precompute else reuse.method, prompt_tokens=len(tokens),
                                 dtype=dtype_name(self.ops.dtype))
         cache = KVCache.empty(self.ops, len(tokens), keep_pre_rope=precompute)
         if precompute:
-            self.core.blend(tokens, cache, ReuseConfig(method="full"), stats)
+            core.blend(tokens, cache, ReuseConfig(method="full"), stats)
             write_paged(self.ops, cache, slots)
-            self._store_precomputed(tokens, cache, stats)
+            self._store_precomputed(core, tokens, cache, stats)
             return stats
         keys = {int(sp[0]): sp[2] for sp in spans if len(sp) > 2}
-        blended = self.core.blend(tokens, cache, reuse, stats, prompt=prompt, keys=keys)
+        blended = core.blend(tokens, cache, reuse, stats, prompt=prompt, keys=keys)
         write_paged(self.ops, cache, slots)
         if self.fill_misses:
-            self.core.store_missed(tokens, blended.missed, stats)
+            core.store_missed(tokens, blended.missed, stats)
         return stats
 
-    def _store_precomputed(self, tokens: TokenizedPrompt, cache: KVCache, stats: GenerationStats) -> None:
-        sink = self.core.sink_ids
+    @staticmethod
+    def _store_precomputed(core: Blender, tokens: TokenizedPrompt, cache: KVCache, stats: GenerationStats) -> None:
+        sink = core.sink_ids
         for seg in tokens.chunk_segments():
             ids = tokens.token_ids[seg.start:seg.end]
-            key = chunk_key(self.core.fingerprint, ids)
+            key = chunk_key(core.fingerprint, ids)
             if seg.start == len(sink) and tokens.token_ids[:seg.start] == sink:
                 entry = chunk_entry(cache, seg.start, seg.end, ids, key, seg.text,      # the chunk's KV alone
-                                    self.core.fingerprint)
+                                    core.fingerprint)
             else:
-                entry = self.core.chunk_kv(ids, key, seg.text)
-            self.core.store.put(entry)
+                entry = core.chunk_kv(ids, key, seg.text)
+            core.store.put(entry)
             stats.stored_chunks += 1
 
 

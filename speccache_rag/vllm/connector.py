@@ -1,12 +1,5 @@
-"""``SpecCacheConnector``: SpecCache as a vLLM v1 KV connector.
-
-Enable it with::
-
-    --kv-transfer-config '{"kv_connector": "SpecCacheConnector",
-                           "kv_connector_module_path": "speccache_rag.vllm.connector",
-                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                           "kv_connector_extra_config": {"store": "./.speccache/kv", "draft": "smollm2-135m",
-                                                        "method": "speccache", "recompute_ratio": 0.15}}'
+"""``SpecCacheConnector``: SpecCache as a vLLM v1 KV connector (``--kv-transfer-config`` as
+``speccache_rag.vllm.kv_transfer_config(...)`` builds it; options: ``deployment.Options``, docs/vllm.md).
 
 Scheduler side (one instance in the engine core):
   * ``on_new_request`` finds the request's chunks — ``kv_transfer_params["speccache"]["spans"]`` when
@@ -22,7 +15,8 @@ never wrong output. Per-request statistics are logged (``SpecCache: req=… reus
 back to the scheduler, and returned as the finished request's ``kv_transfer_params["speccache"]``.
 
 Per-request parameters and the reports that answer them are the wire protocol, ``speccache_rag/wire.py``;
-one ``_Tracked`` record holds what the scheduler knows of a request until its report is out.
+one ``Tracked`` record holds what the scheduler knows of a request until its report is out. A request's own
+``cache_salt`` is its tenant: every chunk key it reads or writes is made under it (``kv.tenant_fingerprint``).
 
 The reused token count is what vLLM reports as the request's cached tokens
 (``usage.prompt_tokens_details.cached_tokens`` with ``--enable-prompt-tokens-details``), not the
@@ -47,12 +41,14 @@ from vllm.logger import init_logger
 
 from ..config import ReuseConfig
 from ..hardware import dtype_name
+from ..kv import tenant_fingerprint
 from ..prompt import RAGPrompt, sink_token_ids
 from .. import wire
 from .blend import PagedBlender
 from .layers import Unsupported, slot_mapping
 from .lookup import StoredChunkIndex, fingerprint_for, shared_store
 from .deployment import Options, unsupported_reason
+from .tracked import TRACKED_MAX, Tracked
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -67,7 +63,6 @@ if TYPE_CHECKING:
 # vLLM configures handlers for the "vllm" logger tree only: log under it so INFO lines show.
 logger = init_logger("vllm.speccache")
 
-_TRACKED_MAX = 4096          # finished requests still waiting for their worker report (blends that failed never report)
 
 
 @dataclass
@@ -121,9 +116,9 @@ class SpecCacheConnector(KVConnectorBase_V1):
         self._fingerprint: str | None = None
         self._sink_ids: list[int] | None = None
         # scheduler state: one record per request it planned or answered, until its report is out
-        self._tracked: OrderedDict[str, _Tracked] = OrderedDict()
+        self._tracked: OrderedDict[str, Tracked] = OrderedDict()
         self._claimed: list[str] = []                     # blends claimed since the last connector metadata
-        self._index: StoredChunkIndex | None = None
+        self._indexes: dict[str, StoredChunkIndex] = {}      # tenant fingerprint → its stored chunks
         self._warned: set[str] = set()
         # worker state
         self._blender: PagedBlender | None = None
@@ -151,10 +146,10 @@ class SpecCacheConnector(KVConnectorBase_V1):
             logger.warning("SpecCache: %s", msg)
 
     # ==== scheduler side ==========================================================================
-    def _track(self, req_id: str) -> "_Tracked":
-        rec = self._tracked.setdefault(req_id, _Tracked())
-        if len(self._tracked) > _TRACKED_MAX:        # forget the oldest finished ones whose report never came
-            for old in [k for k, r in self._tracked.items() if r.finished][: len(self._tracked) - _TRACKED_MAX]:
+    def _track(self, req_id: str) -> Tracked:
+        rec = self._tracked.setdefault(req_id, Tracked())
+        if len(self._tracked) > TRACKED_MAX:        # forget the oldest finished ones whose report never came
+            for old in [k for k, r in self._tracked.items() if r.finished][: len(self._tracked) - TRACKED_MAX]:
                 del self._tracked[old]
         return rec
 
@@ -163,6 +158,12 @@ class SpecCacheConnector(KVConnectorBase_V1):
             query = wire.parse(wire.read(request.kv_transfer_params), len(request.prompt_token_ids or []))
         except Exception as e:  # a bad hint or option never fails the request: plain prefill
             self._warn_once(f"request {request.request_id}: {e}; plain prefill")
+            return
+        salt = request.cache_salt or None           # the tenant, as the client sent it (before we salt below)
+        refused = self.options.refusal(query.op, salt)
+        if refused:                                 # tenancy.py answers HTTP requests with it; here: no reuse
+            self._warn_once(f"request {request.request_id}: {refused}")
+            self._track(request.request_id).notes = {"error": refused}
             return
         if query.op == "info":
             try:
@@ -173,7 +174,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
         if self.unsupported:
             return
         try:
-            plan = self._plan(request, query)
+            plan = self._plan(request, query, salt)
         except Exception as e:
             self._warn_once(f"request {request.request_id}: {e}; plain prefill")
             return
@@ -187,14 +188,15 @@ class SpecCacheConnector(KVConnectorBase_V1):
             request.block_hashes = []
             request.update_block_hashes()
 
-    def _plan(self, request: "Request", query: wire.Query) -> dict | None:
-        """What the worker does for this request (it travels in the connector metadata), or None: plain prefill."""
+    def _plan(self, request: "Request", query: wire.Query, salt: str | None = None) -> dict | None:
+        """What the worker does for this request (it travels in the connector metadata), or None: plain prefill.
+        ``salt``: the request's tenant; every key it reads or writes is the tenant's."""
         ids = list(request.prompt_token_ids or [])
         if len(ids) < 2:
             return None
         if query.op == "precompute":
             reuse = ReuseConfig(method="reuse", recompute_ratio=0.0)
-            return {"op": "precompute", "spans": query.spans, "reuse": asdict(reuse), "tag": query.tag}
+            return {"op": "precompute", "spans": query.spans, "reuse": asdict(reuse), "tag": query.tag, "salt": salt}
         method = query.method or self.options.method
         if method == "full":
             return None
@@ -203,28 +205,30 @@ class SpecCacheConnector(KVConnectorBase_V1):
         if query.spans is not None:
             spans = query.spans
         elif query.chunks is not None:
-            spans = self._place(request.request_id, ids, query.chunks)
+            spans = self._place(request.request_id, ids, query.chunks, salt)
         elif self.options.lookup == "auto":
-            spans = [[s, e, key] for s, e, key in self._find(ids)]
+            spans = [[s, e, key] for s, e, key in self._stored_index(salt).find(ids)]
         else:
             spans = []
         if not spans:
             return None
         prompt = asdict(query.prompt) if query.prompt is not None else None
-        return {"op": "blend", "spans": spans, "reuse": asdict(reuse), "prompt": prompt, "tag": query.tag}
+        return {"op": "blend", "spans": spans, "reuse": asdict(reuse), "prompt": prompt, "tag": query.tag,
+                "salt": salt}
 
-    def _stored_index(self) -> StoredChunkIndex:
-        if self._index is None:
-            self._index = StoredChunkIndex(self.store, self.fingerprint, head=self.options.min_chunk_tokens)
-        self._index.refresh()
-        return self._index
+    def _stored_index(self, salt: str | None = None) -> StoredChunkIndex:
+        """The stored chunks of this model and tenant: an index per salt seen, each holding only the entries
+        keyed under it (``StoredChunkIndex`` checks every key against its fingerprint)."""
+        fingerprint = tenant_fingerprint(self.fingerprint, salt)
+        if fingerprint not in self._indexes:
+            self._indexes[fingerprint] = StoredChunkIndex(self.store, fingerprint, head=self.options.min_chunk_tokens)
+        index = self._indexes[fingerprint]
+        index.refresh()
+        return index
 
-    def _find(self, ids: list[int]) -> list[tuple[int, int, str]]:
-        return self._stored_index().find(ids)
-
-    def _place(self, req_id: str, ids: list[int], keys) -> list[list]:
+    def _place(self, req_id: str, ids: list[int], keys, salt: str | None = None) -> list[list]:
         """Spans of the chunks a client named by key; every key that cannot be placed is reported."""
-        placed, ignored = self._stored_index().place(ids, keys)
+        placed, ignored = self._stored_index(salt).place(ids, keys)
         for key, reason in ignored:
             logger.warning("SpecCache: request %s: chunk id %s ignored: %s", req_id, key[:16], reason)
         if ignored:
@@ -342,7 +346,8 @@ class SpecCacheConnector(KVConnectorBase_V1):
                 report = blender.blend(spec.token_ids, plan["spans"],
                                        ReuseConfig(**plan["reuse"]),
                                        slot_mapping(spec.block_ids, self.block_size, n - 1, blender.ops.device),
-                                       prompt=prompt, precompute=plan["op"] == "precompute")
+                                       prompt=prompt, precompute=plan["op"] == "precompute",
+                                       cache_salt=plan.get("salt"))
             except Exception:
                 logger.exception("SpecCache: blending request %s failed; vLLM recomputes it", spec.req_id)
                 self._failed_blocks.update(claimed_blocks)
@@ -372,29 +377,3 @@ class SpecCacheConnector(KVConnectorBase_V1):
             return None
         reports, self._out_reports = self._out_reports, {}
         return SpecCacheWorkerMetadata(reports)
-
-
-@dataclass
-class _Tracked:
-    """What the scheduler knows of one request, from ``on_new_request`` until its report is out."""
-
-    plan: dict | None = None              # the blend or precompute the worker runs (None: plain prefill)
-    claimed: bool = False                 # its tokens were claimed; the worker blends it this step
-    notes: dict = field(default_factory=dict)      # what the response tells the client (info, ignored keys)
-    report: dict | None = None            # the worker's statistics
-    prefill_stats: Any = None             # vLLM's PrefillStats of the request, corrected by the report
-    finished: bool = False                # finished before its report came
-
-    def correct_cached_tokens(self, report: dict) -> None:
-        """vLLM counts every claimed token as cached; make it the tokens actually reused.
-
-        The request's ``PrefillStats`` was handed to its first output earlier in this same
-        ``update_from_output`` call (which then asks the connector for its output), and outputs are
-        serialized only after it returns, so correcting the object now corrects what clients see.
-        """
-        stats, self.prefill_stats = self.prefill_stats, None
-        if stats is None:
-            return
-        reused = min(int(report.get("reused_tokens", 0)), stats.num_prompt_tokens)
-        stats.num_cached_tokens = stats.num_external_cached_tokens = reused
-        stats.num_computed_tokens = stats.num_prompt_tokens - reused

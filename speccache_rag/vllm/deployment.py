@@ -33,6 +33,9 @@ class Options:
     max_blends_per_step: int = 0         # 0: every waiting request blends in the same engine step;
                                          # N: at most N per step (earlier first tokens, same work)
     gate: bool = True                    # the correctness gate at start-up (gate.py), verdict kept in the store
+    # tenants: a request's cache_salt is part of every chunk key it reads or writes (kv.tenant_fingerprint)
+    require_salt: bool = False           # refuse requests without a cache_salt (HTTP 400 from vllm/tenancy.py)
+    client_precompute: bool = True       # clients may ask the server to store chunks (op="precompute")
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> "Options":
@@ -48,6 +51,14 @@ class Options:
         if opts.method != "full":
             opts.reuse_config(opts.method, opts.recompute_ratio, {})       # validates
         return opts
+
+    def refusal(self, op: str | None, cache_salt: str | None) -> str | None:
+        """Why the tenancy options refuse a request (``op``: the wire op, ``cache_salt``: its tenant), or None."""
+        if self.require_salt and not cache_salt:
+            return "this server requires a cache_salt on every request (tenant isolation)"
+        if op == "precompute" and not self.client_precompute:
+            return "this server does not let clients precompute chunks (client_precompute is off)"
+        return None
 
     def reuse_config(self, method: str, ratio: float | str, overrides: dict) -> ReuseConfig:
         if method not in METHODS:

@@ -25,7 +25,7 @@ from ..config import DEFAULT_STORE, ReuseConfig
 from ..contract import Engine, Request, check_sink, chunk_texts
 from ..output import GenerationOutput, GenerationStats, GenerationStream
 from ..hardware import dtype_name
-from ..kv import chunk_key
+from ..kv import chunk_key, tenant_fingerprint
 from ..prompt import RAGPrompt, render, sink_token_ids, tokenize_piece
 from ..store import KVStore
 from .. import wire
@@ -109,8 +109,9 @@ class VllmSpecCacheEngine(Engine):
         self._driver.start()
 
     # ---- ingestion ------------------------------------------------------------------------------
-    def precompute(self, texts: Iterable[str], progress: bool = False) -> list[str]:
-        """Compute and store the KV of each chunk text through vLLM (idempotent); returns their keys."""
+    def precompute(self, texts: Iterable[str], progress: bool = False, cache_salt: str | None = None) -> list[str]:
+        """Compute and store the KV of each chunk text through vLLM (idempotent); returns their keys.
+        ``cache_salt``: the tenant they are stored for (the connector keys them under it)."""
         from tqdm.auto import tqdm
         from vllm import SamplingParams
 
@@ -118,7 +119,7 @@ class VllmSpecCacheEngine(Engine):
         for text in chunk_texts(texts):
             ids, _ = tokenize_piece(self.tokenizer, text)
             self.check_chunk_fits(len(ids), len(self._sink_ids))
-            key = chunk_key(self.fingerprint, ids)
+            key = chunk_key(tenant_fingerprint(self.fingerprint, cache_salt), ids)
             keys.append(key)
             if key not in todo and not self.store.contains(key):
                 todo[key] = ids
@@ -128,7 +129,8 @@ class VllmSpecCacheEngine(Engine):
             s = len(self._sink_ids)
             params = wire.precompute(s, s + len(ids), wire.new_tag())
             sp = SamplingParams(max_tokens=1, temperature=0.0, extra_args=wire.wrap(params))
-            prompt = {"prompt_token_ids": self._sink_ids + ids + ids[-1:]}
+            prompt = {"prompt_token_ids": self._sink_ids + ids + ids[-1:],
+                      **({"cache_salt": cache_salt} if cache_salt else {})}
             pending.append(self._add(prompt, sp, params["tag"], "precompute", len(prompt["prompt_token_ids"]),
                                      events=events))
         for p, _ in self._drive(pending):
@@ -144,10 +146,13 @@ class VllmSpecCacheEngine(Engine):
     # ---- query ----------------------------------------------------------------------------------
     def stream(self, prompt: RAGPrompt, max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                temperature: float = 0.0, top_p: float = 1.0, stop: Iterable[str] | str | None = None,
-               seed: int | None = None, return_first_logits: bool = False, offload=None) -> GenerationStream:
-        """An iterator of this request's text pieces; its ``.output`` holds the result once it is done."""
-        req = self.request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits, offload)
-        pending = self._submit(req)
+               seed: int | None = None, return_first_logits: bool = False, offload=None,
+               cache_salt: str | None = None) -> GenerationStream:
+        """An iterator of this request's text pieces; its ``.output`` holds the result once it is done.
+        ``cache_salt``: vLLM's request field, and the tenant whose chunks alone the request reuses."""
+        req = self.request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits, offload,
+                           cache_salt)
+        pending = self._submit(req, cache_salt, salt_per_request=False)
         stream = GenerationStream()
         stream._pieces = self._pieces(stream, pending)
         return stream
@@ -169,10 +174,10 @@ class VllmSpecCacheEngine(Engine):
                       salt_per_request: bool = True) -> list[GenerationOutput]:
         """Submit every prompt at once (vLLM batches them, blends included) and wait for all.
 
-        ``cache_salt``: keeps these requests from hitting (exact) prefix-cache blocks of earlier ones
-        (benchmarks: every request is then computed cold); blended requests are always salted.
-        ``salt_per_request=False``: the requests share the salt, so they hit each other's prefix blocks but
-        none from before (the prefix-caching baseline of the benchmark).
+        ``cache_salt``: vLLM's request field — it keeps these requests from hitting (exact) prefix-cache blocks
+        of requests with another salt, and is the tenant whose chunks alone they reuse. ``salt_per_request``:
+        each request gets its own salt (``cache_salt:tag``; full prefill computed cold, for benchmarks — a
+        blended request, whose blocks the connector always keeps private, would then find no chunks).
         """
         events: queue.Queue = queue.Queue()
         with self._lock:                    # all submitted before the driver's next step: they blend together

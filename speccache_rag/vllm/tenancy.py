@@ -1,0 +1,49 @@
+"""The SpecCache server's tenancy options, enforced where a client can be told: vLLM's API server.
+
+    vllm serve MODEL --kv-transfer-config '{…"require_salt": true…}' --middleware speccache_rag.vllm.tenancy.enforce
+
+(``python -m speccache_rag.vllm.serve`` adds the middleware itself.) With ``require_salt`` a chat or completion
+request without a ``cache_salt`` is refused with HTTP 400; with ``client_precompute`` off, a request asking the
+server to store chunks (``op="precompute"``) with HTTP 403. The connector applies the same options to whatever
+reaches it (no reuse, no store), so the middleware is the clear error, not the only guard.
+"""
+from __future__ import annotations
+
+import json
+
+from .deployment import Options
+
+_ROUTES = ("/v1/chat/completions", "/v1/completions")
+
+
+def _options(app) -> Options:
+    options = getattr(app.state, "speccache_options", None)
+    if options is None:
+        config = getattr(getattr(app.state, "vllm_config", None), "kv_transfer_config", None)
+        options = Options.from_extra(getattr(config, "kv_connector_extra_config", None) or {})
+        app.state.speccache_options = options
+    return options
+
+
+async def enforce(request, call_next):
+    """ASGI ``http`` middleware: refuse what the deployment's tenancy options forbid, before vLLM sees it."""
+    if request.method != "POST" or not request.url.path.endswith(_ROUTES):
+        return await call_next(request)
+    options = _options(request.app)
+    if not (options.require_salt or not options.client_precompute):
+        return await call_next(request)
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except ValueError:
+        return await call_next(request)                # vLLM answers malformed JSON itself
+    params = ((body.get("kv_transfer_params") or {}).get("speccache") or {}) if isinstance(body, dict) else {}
+    refused = options.refusal(params.get("op") if isinstance(params, dict) else None,
+                              body.get("cache_salt") if isinstance(body, dict) else None)
+    if refused is None:
+        return await call_next(request)
+    from fastapi.responses import JSONResponse
+
+    status = 400 if "cache_salt" in refused else 403
+    return JSONResponse(status_code=status, content={"error": {"message": refused, "type": "BadRequestError"
+                                                               if status == 400 else "PermissionDeniedError",
+                                                               "code": status}})
