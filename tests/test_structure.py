@@ -11,7 +11,7 @@ FLOORS = [
     ("values", ["config", "hardware", "prompt", "chat_prompt", "kv", "wire", "engines", "sampling", "chunking",
                 "data"]),
     ("parts", ["layers", "runner", "store", "models", "output", "neighbors", "offload"]),
-    ("pipeline", ["selection", "gate", "blend", "contract"]),
+    ("pipeline", ["selection", "gate", "blend", "contract", "remote_output"]),
     ("engines", ["engine", "remote", "vllm", "ray_precompute", "matching"]),
     ("surfaces", ["dropin", "cli", "bench", "__main__", ""]),      # "": the package's __init__
 ]
