@@ -237,7 +237,7 @@ class RemoteEngine(Engine):
             for fut in [pool.submit(one, ids) for ids in todo.values()]:
                 try:
                     fut.result()
-                except ServerUnavailable:
+                except (ServerUnavailable, _openai().PermissionDeniedError):    # down, or refused by policy
                     raise
                 except Exception as e:     # counted below (the store is the judge), the rest go on
                     logger.warning("SpecCache: a precompute request failed: %s", e)

@@ -223,6 +223,43 @@ def test_tools_and_structured_output_pass_through_to_the_server(light_venv, tmp_
 
 
 @needs_vllm
+@pytest.mark.timeout(900)
+def test_a_server_that_requires_salts_refuses_unsalted_requests_and_client_precompute(kv_dir, tmp_path):
+    """require_salt and client_precompute=False, answered by the tenancy middleware the serve entry point adds;
+    a salted request is served, and reuses only its own tenant's chunks (info says not stored elsewhere)."""
+    import openai
+    from openai import OpenAI
+
+    from speccache_rag.models import resolve
+    from speccache_rag.remote import RemoteEngine
+    from speccache_rag.vllm import kv_transfer_config
+
+    path, torch_engine = kv_dir
+    torch_engine.precompute(CHUNKS, cache_salt="tenant-a")            # the shared store, tenant a
+    config = kv_transfer_config(str(path), method="qattn", recompute_ratio=0.15, require_salt=True,
+                                client_precompute=False)
+    with vllm_serve(sys.executable, str(resolve("smollm2-135m")), config, tmp_path / "serve.log", preexec_fn=_unpin,
+                    extra_args=("--enable-prompt-tokens-details",)) as url:
+        client = OpenAI(base_url=url, api_key="none", timeout=300, max_retries=0)
+        user = f"Context:\n{chr(10).join([CHUNKS[0], '', CHUNKS[1], '', CHUNKS[2]])}\n\nQuestion: {QUESTION}"
+        messages = [{"role": "system", "content": DEFAULT_SYSTEM}, {"role": "user", "content": user}]
+        with pytest.raises(openai.BadRequestError, match="requires a cache_salt"):
+            client.chat.completions.create(model="smollm2", messages=messages, max_tokens=4)
+        with pytest.raises(openai.PermissionDeniedError, match="precompute"):
+            RemoteEngine(url, model="smollm2", cache_salt="tenant-a").precompute(["A chunk of text to store."])
+        cached = {}
+        for salt in ("tenant-a", "tenant-b"):
+            reply = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=4,
+                                                   extra_body={"cache_salt": salt})
+            cached[salt] = reply.usage.prompt_tokens_details.cached_tokens
+        keys = torch_engine.precompute(CHUNKS, cache_salt="tenant-a")
+        seen = {salt: RemoteEngine(url, model="smollm2", cache_salt=salt).info(keys)["stored"]
+                for salt in ("tenant-a", "tenant-b")}
+    assert cached["tenant-a"] > 0 and cached["tenant-b"] == 0, cached
+    assert seen == {"tenant-a": keys, "tenant-b": []}               # tenant b does not learn of a's chunks
+
+
+@needs_vllm
 @pytest.mark.timeout(600)
 def test_unsupported_architecture_falls_back_to_plain_prefill_with_a_warning(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPTS / "unsupported_arch.py"), str(tmp_path)],

@@ -41,12 +41,12 @@ from vllm.logger import init_logger
 
 from ..config import ReuseConfig
 from ..hardware import dtype_name
-from ..kv import tenant_fingerprint
+from ..kv import chunk_key, tenant_fingerprint
 from ..prompt import RAGPrompt, sink_token_ids
 from .. import wire
 from .blend import PagedBlender
 from .layers import Unsupported, slot_mapping
-from .lookup import StoredChunkIndex, fingerprint_for, shared_store
+from .lookup import StoredChunkIndex, fingerprint_for, peek_token_ids, shared_store
 from .deployment import Options, unsupported_reason
 from .tracked import TRACKED_MAX, Tracked
 
@@ -167,7 +167,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
             return
         if query.op == "info":
             try:
-                self._track(request.request_id).notes = self._info(query.keys)
+                self._track(request.request_id).notes = self._info(query.keys, salt)
             except Exception as e:  # answered, never fatal: the client names the error
                 self._track(request.request_id).notes = {"error": f"{type(e).__name__}: {e}"}
             return
@@ -235,7 +235,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
             self._track(req_id).notes = {"ignored": [{"key": k, "reason": r} for k, r in ignored]}
         return [[s, e, key] for s, e, key in placed]
 
-    def _info(self, keys) -> dict:
+    def _info(self, keys, salt: str | None = None) -> dict:
         from ..models import load_tokenizer
 
         if self._sink_ids is None:
@@ -243,10 +243,15 @@ class SpecCacheConnector(KVConnectorBase_V1):
         info = {"fingerprint": self.fingerprint, "dtype": self.dtype, "sink": self.options.sink,
                 "sink_ids": self._sink_ids,
                 "method": self.options.method, "recompute_ratio": self.options.recompute_ratio,
-                "stored": [k for k in keys if self.store.contains(k)]}
+                "stored": [k for k in keys if self._holds(k, salt)]}
         if self.unsupported:
             info["unsupported"] = self.unsupported
         return info
+
+    def _holds(self, key: str, salt: str | None) -> bool:
+        """Whether the store holds ``key`` as an entry of this model and tenant (another tenant's is not stored)."""
+        ids = peek_token_ids(self.store, key)
+        return ids is not None and chunk_key(tenant_fingerprint(self.fingerprint, salt), ids) == key
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         rec = self._tracked.get(request.request_id)
