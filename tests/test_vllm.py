@@ -94,6 +94,26 @@ def test_connector_options_are_validated():
         Options.from_extra({"max_blends_per_step": -1})
 
 
+def test_connector_options_come_from_json_over_env_over_a_yaml_file(tmp_path):
+    from speccache_rag.vllm.deployment import Options
+
+    config = tmp_path / "speccache.yaml"
+    config.write_text("method: epic\nrequire_salt: true\nmin_chunk_tokens: 4\nreuse: {qattn_sink: 8}\n")
+    env = {"SPECCACHE_CONNECTOR_CONFIG": str(config), "SPECCACHE_CONNECTOR_METHOD": "cacheblend",
+           "SPECCACHE_CONNECTOR_REQUIRE_SALT": "false", "SPECCACHE_CONNECTOR_RECOMPUTE_RATIO": "auto"}
+    opts = Options.from_sources({"method": "qattn"}, environ=env)
+    assert (opts.method, opts.require_salt, opts.min_chunk_tokens, opts.recompute_ratio, opts.reuse) == \
+        ("qattn", False, 4, "auto", {"qattn_sink": 8})            # JSON > env > file > defaults
+    assert Options.from_sources(None, environ={}) == Options()
+    with pytest.raises(ValueError, match="SPECCACHE_CONNECTOR_REQUIRE_SALT"):
+        Options.from_sources(None, environ={"SPECCACHE_CONNECTOR_REQUIRE_SALT": "maybe"})
+    with pytest.raises(ValueError, match="method"):                 # checked as the JSON is
+        Options.from_sources(None, environ={"SPECCACHE_CONNECTOR_METHOD": "magic"})
+    config.write_text("metod: epic\n")
+    with pytest.raises(ValueError, match="unknown SpecCache connector options: metod"):
+        Options.from_sources(None, environ={"SPECCACHE_CONNECTOR_CONFIG": str(config)})
+
+
 def test_unsupported_configuration_is_named():
     from speccache_rag.vllm.deployment import unsupported_reason
 

@@ -97,7 +97,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
             from .plugin import register
 
             register()
-        self.options = Options.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        self.options = Options.from_sources(self._kv_transfer_config.kv_connector_extra_config)
         # A blend that fails must be recomputed by vLLM, never served: force the recompute policy
         # (the scheduler reads it right after building its connector).
         try:

@@ -2,7 +2,9 @@
 can blend at all (``unsupported_reason``). Read by the connector at start-up; no vLLM import here."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+import os
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from ..config import DEFAULT_STORE, METHODS, ReuseConfig
@@ -15,6 +17,10 @@ if TYPE_CHECKING:
 
 # The config model types of plugin.ARCHITECTURES (VllmLayers drives those)
 VLLM_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma3_text")
+
+
+ENV_PREFIX = "SPECCACHE_CONNECTOR_"      # SPECCACHE_CONNECTOR_<OPTION>, e.g. SPECCACHE_CONNECTOR_REQUIRE_SALT=1
+CONFIG_ENV = ENV_PREFIX + "CONFIG"       # a YAML file of options
 
 
 @dataclass
@@ -52,6 +58,27 @@ class Options:
             opts.reuse_config(opts.method, opts.recompute_ratio, {})       # validates
         return opts
 
+    @classmethod
+    def from_sources(cls, extra: dict | None, environ=os.environ) -> "Options":
+        """The options from every source, each checked as ``from_extra`` checks them: ``kv_connector_extra_config``
+        over ``SPECCACHE_CONNECTOR_<OPTION>`` variables over the YAML file ``$SPECCACHE_CONNECTOR_CONFIG`` over
+        the defaults."""
+        merged: dict = {}
+        path = environ.get(CONFIG_ENV)
+        if path:
+            import yaml
+
+            with open(path) as f:
+                loaded = yaml.safe_load(f) or {}
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{path} ({CONFIG_ENV}) must hold a mapping of SpecCache connector options")
+            merged.update(loaded)
+        for f in fields(cls):
+            raw = environ.get(ENV_PREFIX + f.name.upper())
+            if raw is not None:
+                merged[f.name] = _env_value(f.name, raw, getattr(cls(), f.name))
+        return cls.from_extra({**merged, **(extra or {})})
+
     def refusal(self, op: str | None, cache_salt: str | None) -> str | None:
         """Why the tenancy options refuse a request (``op``: the wire op, ``cache_salt``: its tenant), or None."""
         if self.require_salt and not cache_salt:
@@ -66,6 +93,28 @@ class Options:
         ratio = ratio if ratio == "auto" else float(ratio)
         fields = {**self.reuse, **(overrides or {}), "method": method, "recompute_ratio": ratio}
         return ReuseConfig(**fields)
+
+
+def _env_value(name: str, raw: str, default):
+    """An option's value from its environment variable, read as its default's type."""
+    var = ENV_PREFIX + name.upper()
+    try:
+        if isinstance(default, bool):
+            if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                raise ValueError("expected true/false")
+            return raw.lower() in ("1", "true", "yes", "on")
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float):
+            return raw if raw == "auto" else float(raw)
+        if isinstance(default, dict):
+            value = json.loads(raw)
+            if not isinstance(value, dict):
+                raise ValueError("expected a JSON object")
+            return value
+    except ValueError as e:
+        raise ValueError(f"{var}={raw!r}: {e}") from None
+    return None if raw.lower() in ("", "none") else raw
 
 
 def unsupported_reason(vllm_config: "VllmConfig") -> str | None:

@@ -20,7 +20,7 @@ def _options(app) -> Options:
     options = getattr(app.state, "speccache_options", None)
     if options is None:
         config = getattr(getattr(app.state, "vllm_config", None), "kv_transfer_config", None)
-        options = Options.from_extra(getattr(config, "kv_connector_extra_config", None) or {})
+        options = Options.from_sources(getattr(config, "kv_connector_extra_config", None) or {})
         app.state.speccache_options = options
     return options
 
