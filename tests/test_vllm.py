@@ -212,6 +212,14 @@ def test_vllm_serve_with_openai_client_reuses_chunks(kv_dir, light_venv, tmp_pat
     # the Prometheus counter is the scheduler's: every token the connector provided (all but the last)
     hits = re.search(rb"^vllm:external_prefix_cache_hits_total\{[^}]*\} (\S+)", metrics, re.M)
     assert hits and float(hits.group(1)) == sum(int(m[1]) - 1 for m in lines), metrics[:2000]
+    # the connector's own series (vllm/metrics.py), counted by the worker and served by the frontend
+
+    def series(name):
+        found = re.search(rb"^" + name.encode() + rb"\{[^}]*\} (\S+)", metrics, re.M)
+        return float(found.group(1)) if found else None
+    assert series("vllm:speccache_reused_tokens_total") == sum(reused), metrics[-3000:]
+    assert series("vllm:speccache_store_hits_total") == 6 and series("vllm:speccache_store_misses_total") == 0
+    assert series("vllm:speccache_blend_seconds_count") == 2 and series("vllm:speccache_blend_errors_total") in (0, None)
 
 
 @needs_vllm

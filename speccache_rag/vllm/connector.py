@@ -25,6 +25,7 @@ The reused token count is what vLLM reports as the request's cached tokens
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -41,12 +42,13 @@ from vllm.logger import init_logger
 
 from ..config import ReuseConfig
 from ..hardware import dtype_name
-from ..kv import chunk_key, tenant_fingerprint
+from ..kv import tenant_fingerprint
 from ..prompt import RAGPrompt, sink_token_ids
 from .. import wire
 from .blend import PagedBlender
 from .layers import Unsupported, slot_mapping
-from .lookup import StoredChunkIndex, fingerprint_for, peek_token_ids, shared_store
+from .lookup import StoredChunkIndex, fingerprint_for, holds, shared_store
+from .metrics import SpecCacheProm, SpecCacheStats
 from .deployment import Options, unsupported_reason
 from .tracked import TRACKED_MAX, Tracked
 
@@ -125,6 +127,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
         self._blender_error: str | None = None
         self._failed_blocks: set[int] = set()
         self._out_reports: dict[str, dict] = {}
+        self._stats = SpecCacheStats()           # this worker's blends since vLLM last asked (metrics.py)
         self._step = 0                                    # worker steps that blended something
 
     @staticmethod
@@ -213,8 +216,9 @@ class SpecCacheConnector(KVConnectorBase_V1):
         if not spans:
             return None
         prompt = asdict(query.prompt) if query.prompt is not None else None
+        ignored = len(self._track(request.request_id).notes.get("ignored", ()))      # counted by the worker
         return {"op": "blend", "spans": spans, "reuse": asdict(reuse), "prompt": prompt, "tag": query.tag,
-                "salt": salt}
+                "salt": salt, "ignored": ignored}
 
     def _stored_index(self, salt: str | None = None) -> StoredChunkIndex:
         """The stored chunks of this model and tenant: an index per salt seen, each holding only the entries
@@ -243,15 +247,10 @@ class SpecCacheConnector(KVConnectorBase_V1):
         info = {"fingerprint": self.fingerprint, "dtype": self.dtype, "sink": self.options.sink,
                 "sink_ids": self._sink_ids,
                 "method": self.options.method, "recompute_ratio": self.options.recompute_ratio,
-                "stored": [k for k in keys if self._holds(k, salt)]}
+                "stored": [k for k in keys if holds(self.store, tenant_fingerprint(self.fingerprint, salt), k)]}
         if self.unsupported:
             info["unsupported"] = self.unsupported
         return info
-
-    def _holds(self, key: str, salt: str | None) -> bool:
-        """Whether the store holds ``key`` as an entry of this model and tenant (another tenant's is not stored)."""
-        ids = peek_token_ids(self.store, key)
-        return ids is not None and chunk_key(tenant_fingerprint(self.fingerprint, salt), ids) == key
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         rec = self._tracked.get(request.request_id)
@@ -342,10 +341,11 @@ class SpecCacheConnector(KVConnectorBase_V1):
         for spec in meta.loads:
             n = len(spec.token_ids)
             claimed_blocks = spec.block_ids[: math.ceil((n - 1) / self.block_size)]
+            plan, start = spec.plan, time.perf_counter()
             if blender is None:
                 self._failed_blocks.update(claimed_blocks)
+                self._stats.record(None, 0.0, failed=True)
                 continue
-            plan = spec.plan
             try:
                 prompt = RAGPrompt(**plan["prompt"]) if plan.get("prompt") else None
                 report = blender.blend(spec.token_ids, plan["spans"],
@@ -356,12 +356,26 @@ class SpecCacheConnector(KVConnectorBase_V1):
             except Exception:
                 logger.exception("SpecCache: blending request %s failed; vLLM recomputes it", spec.req_id)
                 self._failed_blocks.update(claimed_blocks)
+                self._stats.record(None, 0.0, failed=True)
                 continue
             logger.info("SpecCache: req=%s %s", spec.req_id, report.line())
             out = {**report.to_dict(), "step": self._step, "batch": len(meta.loads)}
+            self._stats.record(out, time.perf_counter() - start, ignored=plan.get("ignored", 0))
             self._out_reports[spec.req_id] = out
             if plan.get("tag"):
                 wire.REPORTS.publish(plan["tag"], out)
+
+    def get_kv_connector_stats(self) -> SpecCacheStats | None:
+        stats, self._stats = self._stats, SpecCacheStats()
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> SpecCacheStats:
+        return SpecCacheStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> SpecCacheProm:
+        return SpecCacheProm(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

@@ -95,6 +95,12 @@ def peek_token_ids(store: KVStore, key: str) -> list[int] | None:
     return None if entry is None else list(entry.token_ids)
 
 
+def holds(store: KVStore, fingerprint: str, key: str) -> bool:
+    """Whether ``store`` holds ``key`` as an entry of ``fingerprint`` (a model, or a tenant of it)."""
+    ids = peek_token_ids(store, key)
+    return ids is not None and chunk_key(fingerprint, ids) == key
+
+
 class StoredChunkIndex:
     """Stored chunks of one model, indexed by their first ``head`` tokens, for finding them in prompts.
 
