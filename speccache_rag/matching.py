@@ -34,6 +34,7 @@ class ChunkTextIndex:
         self._texts: set[str] = set()
         self._keys: dict[str, list[str]] = {}       # text → store keys (one per model), where known
         self._synced: set[str] = set()              # store keys already read
+        self._cursors: dict[int, int | None] = {}   # id(store) → where its journal was read up to
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -74,8 +75,10 @@ class ChunkTextIndex:
                     keys.remove(key)
 
     def sync(self, store) -> int:
-        """Learn the texts of store entries added since the last sync (by any process); → how many."""
-        new = [k for k in store.keys() if k not in self._synced]
+        """Learn the texts of store entries added since the last sync (by any process); → how many. The store's
+        journal makes this cost what is new, not the size of the store (``KVStore.added_since``)."""
+        added, self._cursors[id(store)] = store.added_since(self._cursors.get(id(store)))
+        new = [k for k in dict.fromkeys(added) if k not in self._synced]
         found = {k: t for k, t in store.texts(new).items() if t}
         self.add(found.values(), found.keys())
         with self._lock:

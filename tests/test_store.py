@@ -65,6 +65,34 @@ def test_round_trip(store):
     assert store.keys() == [chunk.key]
 
 
+def test_the_text_index_follows_the_store_without_listing_it_again(store, monkeypatch):
+    """After its first sync the chunk-text index reads only what was added (the store's journal): the cost of a
+    query's sync does not grow with the store (bench: python -m speccache_rag.bench.lookup)."""
+    from speccache_rag.matching import ChunkTextIndex
+
+    text = "chunk number {} of the journal test, long enough to be matched by content"
+    for i in range(3):
+        store.put(make_chunk(f"jr{i:02d}", text=text.format(i)))
+    index = ChunkTextIndex()
+    assert index.sync(store) == 3 and index.sync(store) == 0
+    monkeypatch.setattr(type(store), "keys", lambda self: pytest.fail("a sync listed every key"))
+    store.put(make_chunk("jr03", text=text.format(3)))
+    assert index.sync(store) == 1 and text.format(3) in index
+    assert index.sync(store) == 0
+
+
+def test_a_store_written_before_the_journal_is_read_whole_once(tmp_path):
+    from speccache_rag.matching import ChunkTextIndex
+
+    store = DiskStore(tmp_path / "kv")
+    store.put(make_chunk("jr10", text="an entry stored by a version without the journal, long enough"))
+    (tmp_path / "kv" / "journal.log").unlink()
+    index = ChunkTextIndex()
+    assert index.sync(store) == 1                              # the first sync lists the store
+    store.put(make_chunk("jr11", text="an entry stored after it, which the journal alone now tells"))
+    assert index.sync(store) == 1
+
+
 def test_put_overwrites_and_delete(store):
     first, second = make_chunk("cd01"), make_chunk("cd01", tokens=6)
     store.put(first)

@@ -27,6 +27,12 @@ class KVStore(ABC):
     @abstractmethod
     def keys(self) -> list[str]: ...
 
+    def added_since(self, cursor: int | None) -> tuple[list[str], int | None]:
+        """Keys put since ``cursor`` and the cursor to pass next time (``None``: every key, and where the journal
+        stands), so that a reader keeping up with the store pays for what is new, not for the whole store.
+        Backends with a journal (memory, directory, Redis) answer from it; this default lists every key."""
+        return self.keys(), None
+
     def raw(self, key: str) -> bytes | None:
         """The entry's stored bytes as they are, unchecked and never deleted (operator commands)."""
         chunk = self.get(key)

@@ -16,6 +16,7 @@ from .base import KVStore
 _SUFFIX = ".safetensors"
 _META_DIR = "meta"          # JSON records beside the entries (no entry shard has a 4-letter name)
 _TMP_SUFFIX = ".tmp"
+_JOURNAL = "journal.log"    # one line per put, appended (added_since reads it from a byte offset)
 # A writer that crashed leaves its temp file behind; one this old is certainly abandoned.
 _STALE_TMP_S = 3600.0
 # gc goes this far below the budget so that a store sitting at its bound is not rescanned on every put.
@@ -79,6 +80,9 @@ class DiskStore(KVStore):
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+        # one short line in append mode is one write(): lines of concurrent writers never interleave
+        with open(self.root / _JOURNAL, "a") as journal:
+            journal.write(chunk.key + "\n")
         with self._lock:
             if self._size is None:
                 self._size = self._scan_size()
@@ -134,6 +138,19 @@ class DiskStore(KVStore):
 
     def keys(self) -> list[str]:
         return [p.name[: -len(_SUFFIX)] for p, _ in self._entries()]
+
+    def added_since(self, cursor: int | None) -> tuple[list[str], int]:
+        if cursor is None:          # every entry (also those of writers before the journal), then follow it
+            end = _size_or_zero(self.root / _JOURNAL)
+            return self.keys(), end
+        try:
+            with open(self.root / _JOURNAL, "rb") as journal:
+                journal.seek(cursor)
+                data = journal.read()
+        except FileNotFoundError:
+            return [], 0
+        done = data.rfind(b"\n") + 1                   # a line still being written is read next time
+        return [k.decode() for k in data[:done].split()], cursor + done
 
     def gc(self) -> int:
         """Delete least recently used entries until the store fits its budget; returns bytes freed.

@@ -22,6 +22,7 @@ class MemoryStore(KVStore):
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, ChunkKV] = OrderedDict()  # oldest first
+        self._journal: list[str] = []       # every key put, in order (added_since); ~70 bytes a put
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -46,6 +47,7 @@ class MemoryStore(KVStore):
             if chunk.nbytes > self.max_bytes:
                 return
             self._entries[chunk.key] = chunk
+            self._journal.append(chunk.key)
             self._bytes += chunk.nbytes
             while self._bytes > self.max_bytes:
                 self._pop(next(iter(self._entries)))
@@ -60,6 +62,10 @@ class MemoryStore(KVStore):
         check_key(key)
         with self._lock:
             self._pop(key)
+
+    def added_since(self, cursor: int | None) -> tuple[list[str], int]:
+        with self._lock:
+            return self._journal[cursor or 0:], len(self._journal)
 
     def keys(self) -> list[str]:
         """Keys from least to most recently used."""

@@ -17,6 +17,7 @@ from .base import KVStore
 PREFIX = "speccache:kv:"
 META_PREFIX = "speccache:meta:"
 TEXTS = "speccache:texts"           # key → chunk text, for every replica's prompt matching
+JOURNAL = "speccache:journal"       # every key put, in order (added_since reads it from an index)
 T = TypeVar("T")
 
 
@@ -87,6 +88,7 @@ class RedisStore(KVStore):
             pipe.set(PREFIX + chunk.key, blob, ex=self.ttl)
             if isinstance(text, str):
                 pipe.hset(TEXTS, chunk.key, text)
+            pipe.rpush(JOURNAL, chunk.key)
             pipe.execute()
         self._call(write, None)
 
@@ -134,6 +136,15 @@ class RedisStore(KVStore):
             pipe.hdel(TEXTS, key)
             pipe.execute()
         self._call(drop, None)
+
+    def added_since(self, cursor: int | None) -> tuple[list[str], int | None]:
+        def read() -> tuple[list[str], int | None]:
+            length = self._client.llen(JOURNAL)
+            if cursor is None or length < cursor:      # first read, or the journal was emptied (a flush)
+                return self.keys(), length
+            new = [k.decode() for k in self._client.lrange(JOURNAL, cursor, -1)]
+            return new, cursor + len(new)
+        return self._call(read, ([], cursor))
 
     def keys(self) -> list[str]:
         def scan() -> list[str]:
