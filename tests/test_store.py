@@ -133,7 +133,8 @@ def test_disk_layout_and_no_temp_files(tmp_path):
     store.put(make_chunk(key))
     store.put(make_chunk(key))
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
-        "ab", f"ab/{key}.safetensors"]
+        "ab", f"ab/{key}.safetensors", "journal.log"]
+    assert (tmp_path / "journal.log").read_text() == f"{key}\n{key}\n"        # one line per put
 
 
 def test_disk_failed_write_leaves_nothing(tmp_path, monkeypatch):
@@ -147,7 +148,8 @@ def test_disk_failed_write_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "replace", fail)
     with pytest.raises(OSError, match="disk full"):
         store.put(make_chunk("ab01", tokens=6))
-    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == ["ab01.safetensors"]
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["ab01.safetensors", "journal.log"]
+    assert (tmp_path / "journal.log").read_text() == "ab01\n"                  # the failed put is not journaled
     assert_same(store.get("ab01"), old)
 
 
