@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
 from ..config import OffloadConfig
 from .core import DropInSettings, store_name
@@ -45,9 +45,9 @@ class DropInFields(BaseModel):
     top_p: float = Field(default=DropInSettings.top_p, description="Nucleus sampling threshold.")
     stop: Optional[list[str]] = Field(default=None, alias="stop_sequences", description="Stop strings.")
     seed: Optional[int] = Field(default=None, description="Sampling seed.")
-    base_url: Optional[str] = Field(default=None, validation_alias=AliasChoices("base_url", "api_base"),
-                                    description="Remote mode: a SpecCache `vllm serve` (http://host:8000/v1; "
-                                    "`api_base` as OpenAILike spells it); `target` is then the served model name.")
+    base_url: Optional[str] = Field(default=None, description="Remote mode: a SpecCache `vllm serve` "
+                                    "(http://host:8000/v1; `api_base=` too, as OpenAILike spells it: "
+                                    "init_arguments); `target` is then the served model name.")
     api_key: Optional[str] = Field(default=None, description="Remote mode: the server's API key.")
     timeout: Optional[float] = Field(default=None, description="Remote mode: seconds to wait for a response "
                                      "(None: 600).")
