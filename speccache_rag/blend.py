@@ -46,6 +46,7 @@ class Blender:
         self.ops, self.store, self.fingerprint, self.sink_ids, self.sink = ops, store, fingerprint, sink_ids, sink
         self.draft, self.hidden_states, self.selector = draft, hidden_states, selector
         self.gate_failed: list[str] = []    # set by gate.run: then every request is served by full prefill
+        self.model_fingerprint = fingerprint  # the model's, also under a tenant's salt (entries name it)
 
     def for_salt(self, cache_salt: str | None) -> "Blender":
         """This blender under a tenant's ``cache_salt``: every key it makes or reads is the tenant's
@@ -63,7 +64,8 @@ class Blender:
         with ``context_ids``, after those too (a variant: ``neighbors.py``; ``context``: their plain keys)."""
         head = self.sink_ids + list(context_ids)
         cache, _ = full_prefill(self.ops, torch.tensor(head + list(token_ids), device=self.ops.device), keep_pre_rope=True)
-        entry = chunk_entry(cache, len(head), len(head) + len(token_ids), token_ids, key, text, self.fingerprint)
+        entry = chunk_entry(cache, len(head), len(head) + len(token_ids), token_ids, key, text, self.fingerprint,
+                            self.model_fingerprint)
         if context_ids:
             entry.meta.update(context_ids=list(context_ids), context=list(context))
         return entry
@@ -153,9 +155,10 @@ class Blender:
 
 
 def chunk_entry(cache: KVCache, start: int, end: int, token_ids: list[int], key: str, text: str,
-                fingerprint: str) -> ChunkKV:
+                fingerprint: str, model: str | None = None) -> ChunkKV:
     """Positions [start, end) of a cache filled with ``keep_pre_rope`` as a store entry. The model
     fingerprint rides along so that ``speccache-rag store verify`` can name entries of unknown models."""
     host = dict(device="cpu", copy=True)          # the store keeps host tensors, whatever device computed them
     return ChunkKV(key, list(token_ids), cache.k_pre[:, :, start:end].to(**host), cache.v[:, :, start:end].to(**host),
-                   meta={"text": text, "fingerprint": fingerprint})
+                   meta={"text": text, "fingerprint": fingerprint,
+                         **({"model": model} if model and model != fingerprint else {})})

@@ -62,6 +62,8 @@ def open_engine(target: str | None, draft: str | None = None, store=None, backen
                                       max_retries=max_retries, cache_salt=cache_salt)
     if base_url:
         raise ValueError(f"base_url is for backend='remote', not {backend!r}")
+    if cache_salt is not None:
+        raise ValueError("an in-process engine takes cache_salt per call (precompute / generate / stream)")
     if not target:
         raise ValueError("name a target model: a packaged name (speccache-rag models), an HF directory or a .gguf")
     return engine_class("torch").from_pretrained(target, draft=draft, store=store or DEFAULT_STORE, backend=backend,

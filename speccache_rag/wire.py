@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from .config import ReuseConfig
 from .prompt import RAGPrompt
 
-# OpenAI request fields a client hands to the server as they are (``RemoteEngine(..., openai_params=)``); vLLM
+# OpenAI request fields a client hands to the server as they are (``RemoteEngine.generate(..., openai_params=)``); vLLM
 # serves them (tools need `vllm serve --enable-auto-tool-choice --tool-call-parser …`)
 OPENAI_PARAMS = ("tools", "tool_choice", "parallel_tool_calls", "response_format", "frequency_penalty",
                  "presence_penalty")

@@ -39,6 +39,10 @@ def test_a_tenants_keys_differ_from_anothers_and_from_the_plain_ones(engine):
     assert len(set(keys.values())) == 3
     assert engine.precompute(CHUNKS[:1], cache_salt="tenant-a") == [
         chunk_key(tenant_fingerprint(engine.fingerprint, "tenant-a"), ids)]
+    from speccache_rag.store.admin import verify
+
+    report = verify(engine.store, [engine.fingerprint])        # a tenant's entries belong to its model
+    assert report.checked >= len(CHUNKS) and not report.unknown_model and not report.corrupt
     with pytest.raises(ValueError, match="cache_salt"):
         engine.generate(RAGPrompt(chunks=CHUNKS, question=QUESTION), max_new_tokens=1, cache_salt="")
 

@@ -75,7 +75,8 @@ class DropInSettings:
         limits = {"timeout": self.timeout, "max_retries": self.max_retries}
         return open_engine(self.target, draft=self.draft, store=self.store, backend=self.backend, dtype=self.dtype,
                            device=self.device, base_url=self.base_url, api_key=self.api_key,
-                           cache_salt=self.cache_salt, **{k: v for k, v in limits.items() if v is not None})
+                           cache_salt=self.cache_salt if self.remote else None,
+                           **{k: v for k, v in limits.items() if v is not None})
 
     def generate_kwargs(self, **call: Any) -> dict:
         """``engine.generate``'s keyword arguments: these settings under a call's own kwargs (``max_tokens``

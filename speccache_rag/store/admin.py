@@ -23,7 +23,7 @@ def stats(store: KVStore) -> dict:
             meta = read_meta(blob)
         except CorruptEntry:
             meta = {}
-        fp = str(meta.get("fingerprint", "unknown"))
+        fp = str(meta.get("model", meta.get("fingerprint", "unknown")))      # a tenant's entries: its model
         slot = per.setdefault(fp, {"entries": 0, "bytes": 0})
         slot["entries"] += 1
         slot["bytes"] += len(blob)
@@ -64,6 +64,7 @@ def verify(store: KVStore, fingerprints: Iterable[str] = (), delete: bool = Fals
             fp = chunk.meta.get("fingerprint")
             if fp is not None and chunk_key(fp, chunk.token_ids, chunk.meta.get("context_ids", ())) != key:
                 why = "key is not the content address of the entry's tokens"
+            fp = chunk.meta.get("model", fp)            # a tenant's entry belongs to its model
         except CorruptEntry as e:
             why, fp = str(e), None
         if why:

@@ -140,7 +140,8 @@ class DiskStore(KVStore):
         return [p.name[: -len(_SUFFIX)] for p, _ in self._entries()]
 
     def added_since(self, cursor: int | None) -> tuple[list[str], int]:
-        if cursor is None:          # every entry (also those of writers before the journal), then follow it
+        if cursor is None or _size_or_zero(self.root / _JOURNAL) < cursor:   # first read, or the journal was reset:
+            # every entry (also those of writers before the journal), then follow it
             end = _size_or_zero(self.root / _JOURNAL)
             return self.keys(), end
         try:

@@ -113,7 +113,7 @@ class PagedBlender:
             key = chunk_key(core.fingerprint, ids)
             if seg.start == len(sink) and tokens.token_ids[:seg.start] == sink:
                 entry = chunk_entry(cache, seg.start, seg.end, ids, key, seg.text,      # the chunk's KV alone
-                                    core.fingerprint)
+                                    core.fingerprint, core.model_fingerprint)
             else:
                 entry = core.chunk_kv(ids, key, seg.text)
             core.store.put(entry)

@@ -171,13 +171,13 @@ class VllmSpecCacheEngine(Engine):
     def generate_many(self, prompts: list[RAGPrompt], max_new_tokens: int = 64, reuse: ReuseConfig | None = None,
                       temperature: float = 0.0, top_p: float = 1.0, stop: Iterable[str] | str | None = None,
                       seed: int | None = None, cache_salt: str | None = None,
-                      salt_per_request: bool = True) -> list[GenerationOutput]:
+                      salt_per_request: bool = False) -> list[GenerationOutput]:
         """Submit every prompt at once (vLLM batches them, blends included) and wait for all.
 
         ``cache_salt``: vLLM's request field — it keeps these requests from hitting (exact) prefix-cache blocks
         of requests with another salt, and is the tenant whose chunks alone they reuse. ``salt_per_request``:
-        each request gets its own salt (``cache_salt:tag``; full prefill computed cold, for benchmarks — a
-        blended request, whose blocks the connector always keeps private, would then find no chunks).
+        each request gets its own salt (``cache_salt:tag``): full prefill computed cold, for benchmarks (each
+        request is then a tenant of its own, so a blend finds no chunks).
         """
         events: queue.Queue = queue.Queue()
         with self._lock:                    # all submitted before the driver's next step: they blend together

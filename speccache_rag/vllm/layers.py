@@ -45,7 +45,8 @@ def check_model(model) -> None:
 
 def _window(attn) -> int | None:
     w = getattr(attn.attn.impl, "sliding_window", None)
-    w = w[0] + 1 if isinstance(w, tuple) else w            # (left, right) in some backends: left + the query itself
+    if isinstance(w, tuple):                # (left, right) in the GPU backends: left + the query itself; -1: none
+        w = None if w[0] < 0 else w[0] + 1
     return None if w is None or w < 0 else int(w)
 
 

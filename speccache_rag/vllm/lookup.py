@@ -97,7 +97,7 @@ def peek_token_ids(store: KVStore, key: str) -> list[int] | None:
 
 def holds(store: KVStore, fingerprint: str, key: str) -> bool:
     """Whether ``store`` holds ``key`` as an entry of ``fingerprint`` (a model, or a tenant of it)."""
-    ids = peek_token_ids(store, key)
+    ids = peek_token_ids(store, key) if store.contains(key) else None
     return ids is not None and chunk_key(fingerprint, ids) == key
 
 

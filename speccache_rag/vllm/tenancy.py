@@ -36,9 +36,10 @@ async def enforce(request, call_next):
         body = json.loads(await request.body() or b"{}")
     except ValueError:
         return await call_next(request)                # vLLM answers malformed JSON itself
-    params = ((body.get("kv_transfer_params") or {}).get("speccache") or {}) if isinstance(body, dict) else {}
-    refused = options.refusal(params.get("op") if isinstance(params, dict) else None,
-                              body.get("cache_salt") if isinstance(body, dict) else None)
+    body = body if isinstance(body, dict) else {}
+    transfer = body.get("kv_transfer_params")
+    params = transfer.get("speccache") if isinstance(transfer, dict) else None
+    refused = options.refusal(params.get("op") if isinstance(params, dict) else None, body.get("cache_salt"))
     if refused is None:
         return await call_next(request)
     from fastapi.responses import JSONResponse

@@ -155,9 +155,10 @@ class SpecCacheLLM(FunctionCallingLLM, DropInFields):
         if user_msg is not None:
             messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str)
                             else user_msg)
-        return {"messages": messages, "tools": [t.metadata.to_openai_tool() for t in tools] or None,
-                "tool_choice": "required" if tool_required else "auto",
-                "parallel_tool_calls": allow_parallel_tool_calls, **kwargs}
+        specs = [t.metadata.to_openai_tool() for t in tools]
+        with_tools = {"tools": specs, "tool_choice": "required" if tool_required else "auto",
+                      "parallel_tool_calls": allow_parallel_tool_calls} if specs else {}
+        return {"messages": messages, **with_tools, **kwargs}
 
     def get_tool_calls_from_response(self, response: ChatResponse, error_on_no_tool_call: bool = True,
                                      **kwargs: Any) -> List[ToolSelection]:
