@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .config import SINK_POLICIES, GenerationConfig, OffloadConfig, ReuseConfig
-from .kv import tenant_fingerprint
+from .kv import check_salt
 from .output import GenerationOutput, GenerationStream
 from .prompt import RAGPrompt
 
@@ -66,8 +66,7 @@ class Engine:
         offload = OffloadConfig.parse(offload)
         if offload is not None and self.offload_note:
             raise ValueError(self.offload_note)
-        tenant_fingerprint("", cache_salt)                  # checks it
-        return Request(prompt, gen, reuse, offload, return_first_logits, cache_salt)
+        return Request(prompt, gen, reuse, offload, return_first_logits, check_salt(cache_salt))
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
         if prompt_tokens + max_new_tokens > self.context_window:

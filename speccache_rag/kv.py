@@ -132,14 +132,19 @@ def chunk_key(fingerprint: str, token_ids: list[int], context_ids: list[int] = (
     return h.hexdigest()
 
 
+def check_salt(cache_salt: str | None) -> str | None:
+    """``cache_salt`` if it is None or a non-empty string, else ValueError."""
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+    return cache_salt
+
+
 def tenant_fingerprint(fingerprint: str, cache_salt: str | None) -> str:
     """The fingerprint a request's chunk keys are made with: the model's, or for a ``cache_salt`` (vLLM's
     per-request field; a tenant) one derived from both — so chunks are shared within a salt and never across,
     and a key reveals nothing to whoever lacks the salt."""
-    if cache_salt is None:
+    if check_salt(cache_salt) is None:
         return fingerprint
-    if not isinstance(cache_salt, str) or not cache_salt:
-        raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
     return hashlib.sha256(f"{fingerprint}|cache_salt={cache_salt}".encode()).hexdigest()
 
 

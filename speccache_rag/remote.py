@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .config import ReuseConfig
-from .kv import chunk_key, tenant_fingerprint
+from .kv import check_salt, chunk_key, tenant_fingerprint
 from .matching import chunk_index
 from .contract import Engine, chunk_texts
 from .output import GenerationOutput, GenerationStream
@@ -83,8 +83,7 @@ class RemoteEngine(Engine):
                  timeout: float = 600.0, max_retries: int = 2, cache_salt: str | None = None):
         """``cache_salt``: this client's tenant — sent with every request (vLLM's own field), so that its
         chunks are shared with requests of the same salt only; a call's ``cache_salt=`` overrides it."""
-        tenant_fingerprint("", cache_salt)                    # checks it
-        self.cache_salt = cache_salt
+        self.cache_salt = check_salt(cache_salt)
         openai = _openai()
         import httpx
 
@@ -155,8 +154,12 @@ class RemoteEngine(Engine):
     def context_window(self) -> int:
         return int(self._model_card().get("max_model_len") or 2048)
 
-    def _salted(self, extra: dict, cache_salt: str | None) -> dict:
-        salt = cache_salt or self.cache_salt
+    def _tenant(self, cache_salt: str | None) -> str | None:
+        """A call's salt, else this client's."""
+        return cache_salt or self.cache_salt
+
+    @staticmethod
+    def _salted(extra: dict, salt: str | None) -> dict:
         return {**extra, "cache_salt": salt} if salt else extra
 
     def info(self, keys: Iterable[str] = (), cache_salt: str | None = None) -> dict:
@@ -164,7 +167,7 @@ class RemoteEngine(Engine):
         those of them its store holds. Raises if the server does not run the SpecCache connector."""
         keys = list(keys)
         resp = self._call(self.client.completions.create, model=self.name, prompt="info", max_tokens=1,
-                          temperature=0.0, extra_body=self._salted(wire.wrap(wire.info(keys)), cache_salt))
+                          temperature=0.0, extra_body=self._salted(wire.wrap(wire.info(keys)), self._tenant(cache_salt)))
         info = wire.read((resp.model_extra or {}).get("kv_transfer_params")) or None
         if info and "error" in info:
             raise RuntimeError(f"the SpecCache connector at {self.base_url} could not answer: {info['error']}")
@@ -220,7 +223,7 @@ class RemoteEngine(Engine):
             ids_of = list(pool.map(self.tokenize, texts))
         for ids in ids_of:
             self.check_chunk_fits(len(ids), len(sink))
-        salt = cache_salt or self.cache_salt
+        salt = self._tenant(cache_salt)
         keys = [chunk_key(tenant_fingerprint(self.fingerprint, salt), ids) for ids in ids_of]
         todo = dict(zip(keys, ids_of))
         stored = set(self.info(list(todo), salt)["stored"])
@@ -259,7 +262,7 @@ class RemoteEngine(Engine):
                            cache_salt)
         if return_first_logits:
             raise ValueError("first-token logits are not available from a remote server")
-        salt = cache_salt or self.cache_salt
+        salt = self._tenant(cache_salt)
         # the text index knows unsalted keys; a tenant's chunks the server finds by content in that tenant's store
         keys = None if salt else [k for t in req.prompt.chunks for k in chunk_index(self).keys(t)]
         gen = req.gen

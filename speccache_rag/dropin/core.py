@@ -17,7 +17,7 @@ from typing import Any
 
 from ..config import DEFAULT_STORE, DEFAULT_TARGET, GenerationConfig, OffloadConfig, ReuseConfig
 from ..engines import open_engine
-from ..kv import tenant_fingerprint
+from ..kv import check_salt
 from ..matching import chunk_index
 from ..wire import OPENAI_PARAMS
 from ..output import GenerationOutput, GenerationStats
@@ -58,7 +58,7 @@ class DropInSettings:
         GenerationConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
         if OffloadConfig.parse(self.offload) is not None and self.remote:
             raise ValueError("offloaded decoding runs in-process only; remote mode (base_url) cannot use it")
-        tenant_fingerprint("", self.cache_salt)                # checks it
+        check_salt(self.cache_salt)
         if (self.timeout is not None and self.timeout <= 0) or (self.max_retries is not None and self.max_retries < 0):
             raise ValueError(f"need timeout > 0 and max_retries >= 0, got {self.timeout} and {self.max_retries}")
 
@@ -87,8 +87,7 @@ class DropInSettings:
                              f"{', '.join(PER_CALL)}, max_tokens or model, and in remote mode {', '.join(OPENAI_PARAMS)}")
         server = {k: call[k] for k in OPENAI_PARAMS if call.get(k) is not None}
         if server and not self.remote:
-            raise ValueError(f"{', '.join(server)} need a SpecCache vLLM server (base_url=…): the in-process engine "
-                             "has no tool-call parser or guided decoding")
+            raise needs_server(", ".join(server))
         if call.get("model") not in (None, self.target):
             raise ValueError(f"a drop-in serves the one model it loaded ({self.target!r}); build another with "
                              f"target={call['model']!r} instead")
@@ -98,6 +97,12 @@ class DropInSettings:
                     offload=OffloadConfig.parse(s.offload), temperature=s.temperature, top_p=s.top_p, stop=s.stop,
                     seed=s.seed, **({"openai_params": server} if server else {}),
                     **({"cache_salt": s.cache_salt} if s.cache_salt else {}))
+
+
+def needs_server(what: str) -> ValueError:
+    """The error for tools, structured output and function calling asked of the in-process engine."""
+    return ValueError(f"{what}: needs a SpecCache vLLM server (base_url=…, served with --enable-auto-tool-choice "
+                      "--tool-call-parser …); the in-process engine has no tool-call parser or guided decoding")
 
 
 def init_arguments(kwargs: dict, engine: Any = None) -> dict:

@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field, PrivateAttr
 from langchain_speccache.callbacks import RetrievalHints
 from speccache_rag.contract import Engine
 from speccache_rag.output import GenerationOutput, GenerationStats
-from speccache_rag.dropin import DropIn, DropInSettings, cached_tokens, init_arguments, store_name
+from speccache_rag.dropin import DropIn, DropInSettings, cached_tokens, init_arguments, needs_server, store_name
 from speccache_rag.dropin.fields import DropInFields
 
 
@@ -152,9 +152,7 @@ class ChatSpecCache(BaseChatModel, DropInFields):
     # ---- tools and structured output (remote mode: the vLLM server parses and guides) ---------------
     def _need_server(self, what: str) -> None:
         if not self.base_url:
-            raise ValueError(f"{what} needs a SpecCache vLLM server (base_url=…, served with "
-                             "--enable-auto-tool-choice --tool-call-parser …): the in-process engine has no "
-                             "tool-call parser or guided decoding")
+            raise needs_server(what)
 
     def bind_tools(self, tools: Sequence[Union[dict[str, Any], type, Callable, BaseTool]], *,
                    tool_choice: Optional[Union[str, bool, dict]] = None, **kwargs: Any) -> Runnable:

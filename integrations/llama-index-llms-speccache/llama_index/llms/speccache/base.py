@@ -23,7 +23,7 @@ from llama_index.core.llms.llm import ToolSelection
 from llama_index.llms.speccache.hints import RetrievalHints
 from speccache_rag.contract import Engine
 from speccache_rag.output import GenerationOutput, GenerationStats
-from speccache_rag.dropin import DropIn, DropInSettings, cached_tokens, init_arguments, usage
+from speccache_rag.dropin import DropIn, DropInSettings, cached_tokens, init_arguments, needs_server, usage
 from speccache_rag.dropin.fields import DropInFields
 
 if TYPE_CHECKING:
@@ -148,9 +148,7 @@ class SpecCacheLLM(FunctionCallingLLM, DropInFields):
                                  allow_parallel_tool_calls: bool = False, tool_required: bool = False,
                                  **kwargs: Any) -> Dict[str, Any]:
         if not self.base_url:
-            raise ValueError("function calling needs a SpecCache vLLM server (base_url=…, served with "
-                             "--enable-auto-tool-choice --tool-call-parser …): the in-process engine has no "
-                             "tool-call parser")
+            raise needs_server("function calling")
         messages = list(chat_history or [])
         if user_msg is not None:
             messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str)
