@@ -152,7 +152,7 @@ class VllmSpecCacheEngine(Engine):
         ``cache_salt``: vLLM's request field, and the tenant whose chunks alone the request reuses."""
         req = self.request(prompt, max_new_tokens, reuse, temperature, top_p, stop, seed, return_first_logits, offload,
                            cache_salt)
-        pending = self._submit(req, cache_salt, salt_per_request=False)
+        pending = self._submit(req)
         stream = GenerationStream()
         stream._pieces = self._pieces(stream, pending)
         return stream
@@ -181,14 +181,14 @@ class VllmSpecCacheEngine(Engine):
         """
         events: queue.Queue = queue.Queue()
         with self._lock:                    # all submitted before the driver's next step: they blend together
-            pending = [self._submit(self.request(p, max_new_tokens, reuse, temperature, top_p, stop, seed), cache_salt,
-                                    salt_per_request, events) for p in prompts]
+            pending = [self._submit(self.request(p, max_new_tokens, reuse, temperature, top_p, stop, seed,
+                                                 cache_salt=cache_salt), salt_per_request, events) for p in prompts]
         for _ in self._drive(pending):
             pass
         return [self._result(p) for p in pending]
 
     # ---- internals ------------------------------------------------------------------------------
-    def _submit(self, req: Request, cache_salt: str | None = None, salt_per_request: bool = True,
+    def _submit(self, req: Request, salt_per_request: bool = False,
                 events: queue.Queue | None = None) -> _Pending:
         from vllm import SamplingParams
 
@@ -203,8 +203,8 @@ class VllmSpecCacheEngine(Engine):
                             stop=list(gen.stop) or None, seed=gen.seed, logprobs=-1 if want_logits else None,
                             extra_args=wire.wrap(params))
         request = {"prompt_token_ids": tokens.token_ids}
-        if cache_salt:
-            request["cache_salt"] = f"{cache_salt}:{tag}" if salt_per_request else cache_salt
+        if req.cache_salt:
+            request["cache_salt"] = f"{req.cache_salt}:{tag}" if salt_per_request else req.cache_salt
         return self._add(request, sp, tag, reuse.method, len(tokens), start, want_logits, events)
 
     def _add(self, prompt: dict, sp, tag: str, method: str, n: int, start: float | None = None,

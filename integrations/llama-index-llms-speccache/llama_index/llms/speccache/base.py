@@ -25,6 +25,7 @@ from speccache_rag.contract import Engine
 from speccache_rag.output import GenerationOutput, GenerationStats
 from speccache_rag.dropin import DropIn, DropInSettings, cached_tokens, init_arguments, needs_server, usage
 from speccache_rag.dropin.fields import DropInFields
+from speccache_rag.matching import TOOL_FIELDS
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool
@@ -251,7 +252,7 @@ def _as_dicts(messages: Sequence[ChatMessage]) -> List[dict]:
     out = []
     for m in messages:
         role = m.role.value if isinstance(m.role, MessageRole) else str(m.role)
-        extra = {k: m.additional_kwargs[k] for k in ("tool_calls", "tool_call_id") if m.additional_kwargs.get(k)}
+        extra = {k: m.additional_kwargs[k] for k in TOOL_FIELDS if m.additional_kwargs.get(k)}
         out.append({"role": _ROLES.get(role, role), "content": m.content or "", **extra})
     return out
 
