@@ -93,6 +93,20 @@ def test_a_store_written_before_the_journal_is_read_whole_once(tmp_path):
     assert index.sync(store) == 1
 
 
+def test_the_memory_journal_stays_bounded_and_a_reader_left_behind_lists_again():
+    store = MemoryStore()
+    store.put(make_chunk("bb00"))
+    seen, cursor = store.added_since(None)
+    for i in range(1, 3000):                      # overwrites: 3000 puts, one entry
+        store.put(make_chunk("bb01"))
+    assert len(store._journal) <= 2 * len(store._entries) + 1024
+    keys, _ = store.added_since(cursor)           # its position was dropped: every key, not a gap
+    assert seen == ["bb00"] and sorted(keys) == ["bb00", "bb01"]
+    _, now = store.added_since(None)
+    store.put(make_chunk("bb02"))
+    assert store.added_since(now) == (["bb02"], now + 1)
+
+
 def test_put_overwrites_and_delete(store):
     first, second = make_chunk("cd01"), make_chunk("cd01", tokens=6)
     store.put(first)

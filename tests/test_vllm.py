@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from speccache_rag.config import METHODS, ReuseConfig
-from speccache_rag.kv import ChunkKV, chunk_key
+from speccache_rag.kv import ChunkKV, chunk_key, tenant_fingerprint
 from speccache_rag.prompt import DEFAULT_SYSTEM, RAGPrompt, render, tokenize_piece
 from speccache_rag.store import DiskStore, MemoryStore
 from speccache_rag.vllm.lookup import StoredChunkIndex, peek_token_ids
@@ -47,28 +47,39 @@ CHUNKS, QUESTION, ANSWER = _demo()
 
 
 # ---- no vLLM needed ------------------------------------------------------------------------------
-def _fake_entry(fp, ids):
+def _fake_entry(fp, ids, **meta):
     k = torch.zeros(1, 1, len(ids), 2)
-    return ChunkKV(chunk_key(fp, ids), list(ids), k, k.clone(), meta={"text": "x"})
+    return ChunkKV(chunk_key(fp, ids), list(ids), k, k.clone(), meta={"text": "x", **meta})
 
 
 @pytest.mark.parametrize("kind", ["memory", "disk"])
-def test_chunk_index_finds_stored_chunks_by_token_content(tmp_path, kind):
+def test_chunk_index_finds_stored_chunks_by_token_content(tmp_path, kind, monkeypatch):
     store = MemoryStore() if kind == "memory" else DiskStore(tmp_path)
-    a, b = list(range(100, 120)), list(range(200, 230))
+    a, b, c = list(range(100, 120)), list(range(200, 230)), list(range(400, 420))
     store.put(_fake_entry("fp", a))
     store.put(_fake_entry("fp", b))
     store.put(_fake_entry("other-model", list(range(300, 320))))      # another model's entry: never matched
+    tenant = tenant_fingerprint("fp", "tenant-a")
+    store.put(_fake_entry(tenant, c, fingerprint=tenant, model="fp"))
     index = StoredChunkIndex(store, "fp", head=8)
     index.refresh()
-    assert len(index) == 2
-    prompt = [1, 2, 3] + b + [9, 9] + a + list(range(300, 320)) + [7]
+    assert len(index) == 3
+    prompt = [1, 2, 3] + b + [9, 9] + a + list(range(300, 320)) + c + [7]
     assert [(s, e) for s, e, _ in index.find(prompt)] == [(3, 33), (35, 55)]
+    assert [(s, e) for s, e, _ in index.find(prompt, tenant)] == [(75, 95)]           # a tenant sees only its own
+    assert index.place(prompt, [chunk_key(tenant, c)])[1][0][1].startswith("not in the store")
     # a prefix of a stored chunk (its end merged with what follows) reuses that prefix's entries
     assert [(s, e) for s, e, _ in index.find(prompt[:20])] == [(3, 20)]
     assert index.find(b[:7] + [0] * 10) == []                         # shorter than `head`: no match
-    store.delete(chunk_key("fp", a))
+    # later refreshes read the journal: what was added, never a listing of the store
+    monkeypatch.setattr(store, "keys", lambda: pytest.fail("listed every key"))
+    d = list(range(500, 530))
+    store.put(_fake_entry("fp", d))
     index.refresh()
+    assert [(s, e) for s, e, _ in index.find([0] + d)] == [(1, 31)]
+    store.delete(chunk_key("fp", a))
+    monkeypatch.undo()
+    index.refresh(full=True)                                           # a full listing forgets deleted entries
     assert [(s, e) for s, e, _ in index.find(prompt)] == [(3, 33)]
     if kind == "disk":                                                 # header-only read of a 1-file entry
         assert peek_token_ids(store, chunk_key("fp", b)) == b

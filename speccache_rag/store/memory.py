@@ -22,7 +22,10 @@ class MemoryStore(KVStore):
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, ChunkKV] = OrderedDict()  # oldest first
-        self._journal: list[str] = []       # every key put, in order (added_since); ~70 bytes a put
+        # the keys put, in order (added_since): the n-th put has cursor position n; the oldest half is dropped
+        # once the journal outgrows the entries, and a reader that far behind lists every key again
+        self._journal: list[str] = []
+        self._journal_start = 0
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -48,6 +51,10 @@ class MemoryStore(KVStore):
                 return
             self._entries[chunk.key] = chunk
             self._journal.append(chunk.key)
+            if len(self._journal) > 2 * len(self._entries) + 1024:
+                drop = len(self._journal) // 2
+                del self._journal[:drop]
+                self._journal_start += drop
             self._bytes += chunk.nbytes
             while self._bytes > self.max_bytes:
                 self._pop(next(iter(self._entries)))
@@ -65,7 +72,10 @@ class MemoryStore(KVStore):
 
     def added_since(self, cursor: int | None) -> tuple[list[str], int]:
         with self._lock:
-            return self._journal[cursor or 0:], len(self._journal)
+            end = self._journal_start + len(self._journal)
+            if cursor is None or not self._journal_start <= cursor <= end:
+                return list(self._entries), end
+            return self._journal[cursor - self._journal_start:], end
 
     def keys(self) -> list[str]:
         """Keys from least to most recently used."""

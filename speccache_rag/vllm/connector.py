@@ -120,7 +120,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
         # scheduler state: one record per request it planned or answered, until its report is out
         self._tracked: OrderedDict[str, Tracked] = OrderedDict()
         self._claimed: list[str] = []                     # blends claimed since the last connector metadata
-        self._indexes: dict[str, StoredChunkIndex] = {}      # tenant fingerprint → its stored chunks
+        self._index: StoredChunkIndex | None = None      # this model's stored chunks, of every tenant
         self._warned: set[str] = set()
         # worker state
         self._blender: PagedBlender | None = None
@@ -210,7 +210,8 @@ class SpecCacheConnector(KVConnectorBase_V1):
         elif query.chunks is not None:
             spans = self._place(request.request_id, ids, query.chunks, salt)
         elif self.options.lookup == "auto":
-            spans = [[s, e, key] for s, e, key in self._stored_index(salt).find(ids)]
+            found = self._stored_index().find(ids, tenant_fingerprint(self.fingerprint, salt))
+            spans = [[s, e, key] for s, e, key in found]
         else:
             spans = []
         if not spans:
@@ -220,19 +221,16 @@ class SpecCacheConnector(KVConnectorBase_V1):
         return {"op": "blend", "spans": spans, "reuse": asdict(reuse), "prompt": prompt, "tag": query.tag,
                 "salt": salt, "ignored": ignored}
 
-    def _stored_index(self, salt: str | None = None) -> StoredChunkIndex:
-        """The stored chunks of this model and tenant: an index per salt seen, each holding only the entries
-        keyed under it (``StoredChunkIndex`` checks every key against its fingerprint)."""
-        fingerprint = tenant_fingerprint(self.fingerprint, salt)
-        if fingerprint not in self._indexes:
-            self._indexes[fingerprint] = StoredChunkIndex(self.store, fingerprint, head=self.options.min_chunk_tokens)
-        index = self._indexes[fingerprint]
-        index.refresh()
-        return index
+    def _stored_index(self) -> StoredChunkIndex:
+        """This model's stored chunks, brought up to date (what was stored since the last request)."""
+        if self._index is None:
+            self._index = StoredChunkIndex(self.store, self.fingerprint, head=self.options.min_chunk_tokens)
+        self._index.refresh()
+        return self._index
 
     def _place(self, req_id: str, ids: list[int], keys, salt: str | None = None) -> list[list]:
         """Spans of the chunks a client named by key; every key that cannot be placed is reported."""
-        placed, ignored = self._stored_index(salt).place(ids, keys)
+        placed, ignored = self._stored_index().place(ids, keys, tenant_fingerprint(self.fingerprint, salt))
         for key, reason in ignored:
             logger.warning("SpecCache: request %s: chunk id %s ignored: %s", req_id, key[:16], reason)
         if ignored:

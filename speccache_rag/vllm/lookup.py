@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -86,13 +87,20 @@ def shared_store(spec: str | KVStore) -> tuple[KVStore, str]:
 
 
 # ---- finding stored chunks by token content ------------------------------------------------------
-def peek_token_ids(store: KVStore, key: str) -> list[int] | None:
-    """A stored entry's token ids, reading only the safetensors header where the store is a directory."""
+def peek_entry(store: KVStore, key: str) -> tuple[list[int], str | None, str | None] | None:
+    """A stored entry's token ids and the fingerprint and model its metadata names, reading only the safetensors
+    header where the store is a directory; None when it is gone or unreadable."""
     if isinstance(store, DiskStore):
-        ids = (store.entry_meta(key) or {}).get("token_ids")
-        return list(ids) if isinstance(ids, list) else None
+        meta = store.entry_meta(key) or {}
+        ids = meta.get("token_ids")
+        return (list(ids), meta.get("fingerprint"), meta.get("model")) if isinstance(ids, list) else None
     entry = store.get(key)
-    return None if entry is None else list(entry.token_ids)
+    return None if entry is None else (list(entry.token_ids), entry.meta.get("fingerprint"), entry.meta.get("model"))
+
+
+def peek_token_ids(store: KVStore, key: str) -> list[int] | None:
+    found = peek_entry(store, key)
+    return None if found is None else found[0]
 
 
 def holds(store: KVStore, fingerprint: str, key: str) -> bool:
@@ -102,42 +110,59 @@ def holds(store: KVStore, fingerprint: str, key: str) -> bool:
 
 
 class StoredChunkIndex:
-    """Stored chunks of one model, indexed by their first ``head`` tokens, for finding them in prompts.
+    """Stored chunks of one model, of every tenant, indexed by (tenant fingerprint, first ``head`` tokens), for
+    finding them in prompts.
 
-    Entries are content-addressed (key = f(fingerprint, token ids)) and so never change; the index
-    only learns new keys and forgets deleted ones. Entries of other models are remembered as foreign
-    and never read twice.
+    Entries are content-addressed (key = f(fingerprint, token ids)) and so never change. The index learns the
+    keys put since it last looked from the store's journal (``KVStore.added_since``), so a query costs what is
+    new, not the size of the store; each key is read once and checked against the fingerprint its metadata
+    names (the key must be that fingerprint's hash of its tokens, and the fingerprint this model's or one of its
+    tenants'). Entries of other models are remembered as foreign and never read twice. Deleted entries are
+    forgotten at the next full listing (a reset journal, or every ``resync_s``); until then a deleted entry is a
+    store miss at blend time, recomputed like any other.
     """
 
-    def __init__(self, store: KVStore, fingerprint: str, head: int = 8):
-        self.store, self.fingerprint, self.head = store, fingerprint, max(1, head)
-        self._ids: dict[str, list[int]] = {}
+    def __init__(self, store: KVStore, fingerprint: str, head: int = 8, resync_s: float = 300.0):
+        self.store, self.fingerprint, self.head, self.resync_s = store, fingerprint, max(1, head), resync_s
+        self._entries: dict[str, tuple[str, list[int]]] = {}     # key → (tenant fingerprint, token ids)
         self._foreign: set[str] = set()
         self._by_head: dict[tuple, list[str]] = defaultdict(list)
+        self._cursor: int | None = None
+        self._listed_at = 0.0
         self._lock = threading.Lock()
 
-    def refresh(self) -> None:
-        keys = set(self.store.keys())
+    def refresh(self, full: bool = False) -> None:
+        """Learn what was stored since the last call; ``full`` (also the first call, and every ``resync_s``):
+        list every key, and forget the deleted ones."""
+        full = full or self._cursor is None or time.monotonic() - self._listed_at > self.resync_s
+        keys, self._cursor = self.store.added_since(None if full else self._cursor)
         with self._lock:
-            for key in list(self._ids):
-                if key not in keys:
-                    ids = self._ids.pop(key)
-                    self._by_head[tuple(ids[: self.head])].remove(key)
-            for key in keys - self._ids.keys() - self._foreign:
-                ids = peek_token_ids(self.store, key)
-                if ids is None:
+            if full:
+                self._listed_at, present = time.monotonic(), set(keys)
+                for key in [k for k in self._entries if k not in present]:
+                    fingerprint, ids = self._entries.pop(key)
+                    self._by_head[(fingerprint, tuple(ids[: self.head]))].remove(key)
+            for key in dict.fromkeys(keys):
+                if key in self._entries or key in self._foreign:
                     continue
-                if len(ids) < self.head or chunk_key(self.fingerprint, ids) != key:
+                found = peek_entry(self.store, key)
+                if found is None:
+                    continue
+                ids, named, model = found
+                fingerprint = named or self.fingerprint
+                if (len(ids) < self.head or chunk_key(fingerprint, ids) != key
+                        or self.fingerprint not in (fingerprint, model)):
                     self._foreign.add(key)
                     continue
-                self._ids[key] = ids
-                self._by_head[tuple(ids[: self.head])].append(key)
+                self._entries[key] = (fingerprint, ids)
+                self._by_head[(fingerprint, tuple(ids[: self.head]))].append(key)
 
     def __len__(self) -> int:
-        return len(self._ids)
+        return len(self._entries)
 
-    def find(self, prompt: list[int]) -> list[tuple[int, int, str]]:
-        """Non-overlapping (start, end, key) of stored chunks in ``prompt``, left to right, longest first.
+    def find(self, prompt: list[int], fingerprint: str | None = None) -> list[tuple[int, int, str]]:
+        """Non-overlapping (start, end, key) of the chunks stored under ``fingerprint`` (a tenant's; default: the
+        model's own) in ``prompt``, left to right, longest first.
 
         A match may cover only a *prefix* of a stored chunk (at least ``head`` tokens): inside a
         prompt a chunk's last token often merges with what follows (a trailing newline before a
@@ -145,11 +170,12 @@ class StoredChunkIndex:
         whatever came after them — the worker reuses those entries and recomputes the rest.
         """
         found, i, n = [], 0, len(prompt)
+        fingerprint = fingerprint or self.fingerprint
         with self._lock:
             while i + self.head <= n:
                 best, best_len = None, 0
-                for key in self._by_head.get(tuple(prompt[i: i + self.head]), ()):
-                    length = _common_prefix(prompt, i, self._ids[key])
+                for key in self._by_head.get((fingerprint, tuple(prompt[i: i + self.head])), ()):
+                    length = _common_prefix(prompt, i, self._entries[key][1])
                     if length > best_len:
                         best, best_len = key, length
                 if best is None:
@@ -159,8 +185,10 @@ class StoredChunkIndex:
                 i += best_len
         return found
 
-    def place(self, prompt: list[int], keys: list[str]) -> tuple[list[tuple[int, int, str]], list[tuple[str, str]]]:
-        """Where the chunks a client named by key are in ``prompt``: ``(placed, ignored)``.
+    def place(self, prompt: list[int], keys: list[str], fingerprint: str | None = None
+              ) -> tuple[list[tuple[int, int, str]], list[tuple[str, str]]]:
+        """Where the chunks a client named by key are in ``prompt``: ``(placed, ignored)``; only chunks stored
+        under ``fingerprint`` (a tenant's; default: the model's own) are placed.
 
         ``placed``: (start, end, key), sorted; a chunk is placed where the longest prefix of its tokens
         (at least ``head``) occurs, as in ``find``. ``ignored``: (key, reason) for every key that is not
@@ -169,10 +197,11 @@ class StoredChunkIndex:
         """
         placed: list[tuple[int, int, str]] = []
         ignored: list[tuple[str, str]] = []
+        fingerprint = fingerprint or self.fingerprint
         with self._lock:
             for key in dict.fromkeys(keys):
-                ids = self._ids.get(key)
-                if ids is None:
+                owner, ids = self._entries.get(key, (None, None))
+                if owner != fingerprint:
                     reason = ("stored by another model, tokenizer, dtype or sink policy" if key in self._foreign
                               else "not in the store (never precomputed here, evicted, or unreadable)")
                     ignored.append((key, reason))
