@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import types
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -201,7 +202,7 @@ def test_vllm_serve_with_openai_client_reuses_chunks(kv_dir, light_venv, tmp_pat
         again = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0,
                                                extra_body={"kv_transfer_params": {"speccache": {"method": "reuse"}}})
         assert again.choices[0].message.content is not None
-        metrics = __import__("urllib.request").request.urlopen(f"{url[:-3]}/metrics", timeout=30).read()
+        metrics = urllib.request.urlopen(f"{url[:-3]}/metrics", timeout=30).read()
         light = subprocess.run([str(light_venv / "bin" / "python"), str(SCRIPTS / "light_client.py"), url, *CHUNKS,
                                 "--", QUESTION], capture_output=True, text=True, timeout=600)
     assert light.returncode == 0, (light.stdout + light.stderr)[-4000:]
@@ -231,6 +232,7 @@ def test_vllm_serve_with_openai_client_reuses_chunks(kv_dir, light_venv, tmp_pat
     assert series("vllm:speccache_reused_tokens_total") == sum(reused), metrics[-3000:]
     assert series("vllm:speccache_store_hits_total") == 6 and series("vllm:speccache_store_misses_total") == 0
     assert series("vllm:speccache_blend_seconds_count") == 2 and series("vllm:speccache_blend_errors_total") in (0, None)
+    assert series("vllm:speccache_gate_passed_total") == 1 and series("vllm:speccache_gate_failed_total") in (0, None)
 
 
 @needs_vllm
@@ -294,6 +296,10 @@ def test_a_server_that_requires_salts_refuses_unsalted_requests_and_client_preco
         keys = torch_engine.precompute(CHUNKS, cache_salt="tenant-a")
         seen = {salt: RemoteEngine(url, model="smollm2", cache_salt=salt).info(keys)["stored"]
                 for salt in ("tenant-a", "tenant-b")}
+        metrics = urllib.request.urlopen(f"{url[:-3]}/metrics", timeout=30).read().decode()
+    for reason in ("require_salt", "client_precompute"):                # each refusal counted on /metrics
+        assert re.search(rf'^vllm:speccache_rejected_requests_total{{reason="{reason}"}} 1\.0$', metrics, re.M), \
+            metrics[-3000:]
     assert cached["tenant-a"] > 0 and cached["tenant-b"] == 0, cached
     assert seen == {"tenant-a": keys, "tenant-b": []}               # tenant b does not learn of a's chunks
 

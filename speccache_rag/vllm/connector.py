@@ -15,12 +15,11 @@ never wrong output. Per-request statistics are logged (``SpecCache: req=… reus
 back to the scheduler, and returned as the finished request's ``kv_transfer_params["speccache"]``.
 
 Per-request parameters and the reports that answer them are the wire protocol, ``speccache_rag/wire.py``;
-one ``Tracked`` record holds what the scheduler knows of a request until its report is out. A request's own
+one ``Tracked`` record holds what the scheduler knows of a request until its report is out. A request's
 ``cache_salt`` is its tenant: every chunk key it reads or writes is made under it (``kv.tenant_fingerprint``).
 
-The reused token count is what vLLM reports as the request's cached tokens
-(``usage.prompt_tokens_details.cached_tokens`` with ``--enable-prompt-tokens-details``), not the
-``n - 1`` tokens the connector claims (the scheduler's prefix-cache metrics still count those).
+Clients read the reused tokens as cached tokens (``usage.prompt_tokens_details.cached_tokens``), not the ``n - 1``
+the connector claims (vLLM's prefix-cache metrics count those); the connector's own series: ``metrics.py``.
 """
 from __future__ import annotations
 
@@ -127,7 +126,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
         self._blender_error: str | None = None
         self._failed_blocks: set[int] = set()
         self._out_reports: dict[str, dict] = {}
-        self._stats = SpecCacheStats()           # this worker's blends since vLLM last asked (metrics.py)
+        self._stats = SpecCacheStats()           # what this side did since vLLM last asked (metrics.py)
         self._step = 0                                    # worker steps that blended something
 
     @staticmethod
@@ -161,12 +160,14 @@ class SpecCacheConnector(KVConnectorBase_V1):
             query = wire.parse(wire.read(request.kv_transfer_params), len(request.prompt_token_ids or []))
         except Exception as e:  # a bad hint or option never fails the request: plain prefill
             self._warn_once(f"request {request.request_id}: {e}; plain prefill")
+            self._stats.count("plain")
             return
         salt = request.cache_salt or None           # the tenant, as the client sent it (before we salt below)
         refused = self.options.refusal(query.op, salt)
         if refused:                                 # tenancy.py answers HTTP requests with it; here: no reuse
             self._warn_once(f"request {request.request_id}: {refused}")
             self._track(request.request_id).notes = {"error": refused}
+            self._stats.count("refused")
             return
         if query.op == "info":
             try:
@@ -180,6 +181,7 @@ class SpecCacheConnector(KVConnectorBase_V1):
             plan = self._plan(request, query, salt)
         except Exception as e:
             self._warn_once(f"request {request.request_id}: {e}; plain prefill")
+            self._stats.count("plain")
             return
         if plan is None:
             return
@@ -322,6 +324,8 @@ class SpecCacheConnector(KVConnectorBase_V1):
             blender = PagedBlender.start(model, self.model_dir, self.dtype, self.store, self.fingerprint, self.options,
                                          logger)
             self._blender = blender
+            if self.options.gate:
+                self._stats.count("gate_failed" if blender.core.gate_failed else "gate_passed")
             logger.info("SpecCache connector ready: store=%s draft=%s method=%s ratio=%s", self.store_url,
                         self.options.draft or "(target)", self.options.method, self.options.recompute_ratio)
         except Exception as e:

@@ -1,6 +1,7 @@
 """The connector's Prometheus series on vLLM's ``/metrics``, through vLLM's own KV-connector stats path.
 
-Each worker step, ``SpecCacheStats`` gathers what the blends of that step did; vLLM ships it to the frontend
+Each worker step, ``SpecCacheStats`` gathers what the blends of that step did (and the scheduler what it refused
+or could not use, the worker its gate verdict); vLLM ships it to the frontend
 (``KVConnectorOutput.kv_connector_stats``), which hands it to ``SpecCacheProm.observe`` — the same process that
 serves ``/metrics``. The torch engine reports the same counts per call in ``GenerationStats``.
 """
@@ -21,6 +22,12 @@ COUNTERS = {
     "vllm:speccache_blend_errors": ("errors", "Blends that failed (vLLM recomputed the request instead)."),
     "vllm:speccache_ignored_chunks": ("ignored", "Chunk ids a client named that the server could not place."),
     "vllm:speccache_precomputed_chunks": ("stored", "Chunks the SpecCache worker stored."),
+    "vllm:speccache_refused_requests": ("refused", "Requests refused by a tenancy policy (require_salt, "
+                                                   "client_precompute)."),
+    "vllm:speccache_plain_requests": ("plain", "Requests with a SpecCache hint the scheduler could not use (plain "
+                                               "vLLM prefill instead)."),
+    "vllm:speccache_gate_passed": ("gate_passed", "Workers whose correctness gate passed at start-up."),
+    "vllm:speccache_gate_failed": ("gate_failed", "Workers whose correctness gate failed (they serve full prefill)."),
 }
 # histogram name → (stats key of the observations, help)
 HISTOGRAMS = {
@@ -36,15 +43,19 @@ class SpecCacheStats(KVConnectorStats):
 
     def record(self, report: dict | None, blend_s: float, ignored: int = 0, failed: bool = False) -> None:
         """One request's blend (``report``: its ``GenerationStats`` as a dict; None when it failed)."""
+        self.count("errors", int(failed))
+        self.count("ignored", ignored)
         d = self.data
-        for key, value in (("errors", int(failed)), ("ignored", ignored)):
-            d[key] = d.get(key, 0) + value
         if report is not None:
             for key, source in (("reused_tokens", "reused_tokens"), ("recomputed_tokens", "recomputed_tokens"),
                                 ("hits", "cache_hits"), ("misses", "cache_misses"), ("stored", "stored_chunks")):
-                d[key] = d.get(key, 0) + int(report.get(source, 0) or 0)
+                self.count(key, int(report.get(source, 0) or 0))
             d.setdefault("blend_s", []).append(blend_s)
             d.setdefault("load_s", []).append(float(report.get("load_s", 0.0) or 0.0))
+
+    def count(self, key: str, n: int = 1) -> None:
+        """An event outside a blend: a scheduler refusal or fallback, a worker's gate verdict."""
+        self.data[key] = self.data.get(key, 0) + n
 
     def reset(self) -> None:
         self.data = {}

@@ -5,15 +5,25 @@
 (``python -m speccache_rag.vllm.serve`` adds the middleware itself.) With ``require_salt`` a chat or completion
 request without a ``cache_salt`` is refused with HTTP 400; with ``client_precompute`` off, a request asking the
 server to store chunks (``op="precompute"``) with HTTP 403. The connector applies the same options to whatever
-reaches it (no reuse, no store), so the middleware is the clear error, not the only guard.
+reaches it (no reuse, no store), so the middleware is the clear error, not the only guard. Each refusal is
+counted on the server's ``/metrics`` as ``vllm:speccache_rejected_requests_total{reason=…}``.
 """
 from __future__ import annotations
 
+import functools
 import json
 
 from .deployment import Options
 
 _ROUTES = ("/v1/chat/completions", "/v1/completions")
+
+
+@functools.cache
+def _rejected():
+    from prometheus_client import Counter
+
+    return Counter("vllm:speccache_rejected_requests", "Requests the SpecCache tenancy policy refused with an HTTP "
+                   "error (reason: require_salt or client_precompute).", ["reason"])
 
 
 def _options(app) -> Options:
@@ -45,6 +55,7 @@ async def enforce(request, call_next):
     from fastapi.responses import JSONResponse
 
     status = 400 if "cache_salt" in refused else 403
+    _rejected().labels(reason="require_salt" if status == 400 else "client_precompute").inc()
     return JSONResponse(status_code=status, content={"error": {"message": refused, "type": "BadRequestError"
                                                                if status == 400 else "PermissionDeniedError",
                                                                "code": status}})
