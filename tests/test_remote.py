@@ -24,7 +24,7 @@ from speccache_rag.kv import chunk_key  # noqa: E402
 from speccache_rag.matching import chunk_index  # noqa: E402
 from speccache_rag.prompt import tokenize_piece  # noqa: E402
 from speccache_rag.remote import RemoteEngine, ServerUnavailable  # noqa: E402
-from vllm_server import free_port, vllm_serve  # noqa: E402
+from speccache_rag.bench.servers import free_port, vllm_serve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = os.environ.get("SPECCACHE_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -25,7 +26,7 @@ from speccache_rag.kv import ChunkKV, chunk_key, tenant_fingerprint
 from speccache_rag.prompt import DEFAULT_SYSTEM, RAGPrompt, render, tokenize_piece
 from speccache_rag.store import DiskStore, MemoryStore
 from speccache_rag.vllm.lookup import StoredChunkIndex, peek_token_ids
-from vllm_server import child_env, vllm_serve
+from speccache_rag.bench.servers import child_env, vllm_serve
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 if os.environ.get("SPECCACHE_REQUIRE_VLLM") == "1" and not HAVE_VLLM:   # CI's vLLM run must not skip
@@ -302,6 +303,26 @@ def test_a_server_that_requires_salts_refuses_unsalted_requests_and_client_preco
             metrics[-3000:]
     assert cached["tenant-a"] > 0 and cached["tenant-b"] == 0, cached
     assert seen == {"tenant-a": keys, "tenant-b": []}               # tenant b does not learn of a's chunks
+
+
+@needs_vllm
+@pytest.mark.timeout(900)
+def test_load_with_tenants_and_a_redis_restart_answers_every_request_without_cross_tenant_reuse(tmp_path):
+    """speccache_rag.bench.load, short: concurrent streaming OpenAI clients, four tenants and fresh-salt probes
+    over one Redis store that is restarted mid-run; r = 1 requests must give full prefill's answer."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server binary not found (apt-get install redis-server)")
+    out = tmp_path / "load.json"
+    proc = subprocess.run([sys.executable, "-m", "speccache_rag.bench.load", "--clients", "4", "--duration", "40",
+                           "--down", "4", "--json", str(out)], capture_output=True, text=True, env=child_env(),
+                          preexec_fn=_unpin, timeout=880)
+    assert out.exists(), (proc.stdout + proc.stderr)[-4000:]
+    report = json.loads(out.read_text())
+    assert report["errors"] == [] and report["all"]["answered"] == report["requests"] > 8, report
+    assert report["probes"] > 0 and report["probe_reuse"] == []          # no tenant ever reused another's chunks
+    assert report["exact"] > 0 and report["exact_mismatches"] == []      # r = 1 under load: full prefill's answer
+    assert report["phases"]["before"]["reused_share"] > 0.1 and report["phases"]["after"]["reused_share"] > 0.1
+    assert proc.returncode == 0 and report["passed"]
 
 
 @needs_vllm

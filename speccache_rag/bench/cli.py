@@ -55,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only prompts with index K mod N: N processes with the same --out and --resume split a suite")
     p.add_argument("--sink", default=None, choices=SINK_POLICIES,
                    help="chunk-KV policy: bos (default), prefix (behind the shared template prefix) or none")
+    p.add_argument("--passages", type=int, default=None, metavar="N",
+                   help="LongBench suites: the first N passages of each row, one chunk each (0: every passage)")
     p.add_argument("--neighbors", type=int, default=None, metavar="K",
                    help="LongBench suites: also store each chunk's KV prefilled after its K nearest passages of the "
                         "file (all-MiniLM-L6-v2), the FusionRAG variant that ReuseConfig.neighbors reads")
@@ -76,7 +78,7 @@ def suite_from_args(args: argparse.Namespace) -> Suite:
         n_per_task=args.per_task, n_chunks=args.chunks, chunk_tokens=args.bench_chunk_tokens,
         ttft_examples=args.ttft_prompts if ttft != [] else 0, ttft_reps=args.reps,
         max_new_tokens=args.bench_max_new_tokens, sweep_examples=args.sweep_prompts, sink=args.sink,
-        neighbors=args.neighbors)
+        neighbors=args.neighbors, passages=args.passages)
 
 
 def _pairs(text: str) -> list[tuple[str, str]]:

@@ -4,9 +4,12 @@
     python -m speccache_rag.bench.lookup --entries 100000 --store redis://127.0.0.1:6379/0
 
 Fills a store with ``--entries`` synthetic entries (tiny tensors, a text each: the lookup never reads the
-tensors), then times, per query, the chunk-text index's sync — what a drop-in does before matching a prompt
-that came without retrieval hints — with one new entry put between queries: following the store's journal
-(``KVStore.added_since``) against listing every key (what the index did before). Ratios from one run.
+tensors), then times, per query, with one new entry put between queries, following the store's journal
+(``KVStore.added_since``) against listing every key (what both indexes did before) for
+* the chunk-text index's sync — what a drop-in does before matching a prompt that came without retrieval hints;
+* the connector's stored-chunk index (``vllm/lookup.py``): its refresh and the token-content search of one prompt —
+  what ``vllm serve`` does for a request without chunk hints.
+Ratios from one run.
 """
 from __future__ import annotations
 
@@ -18,14 +21,19 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from ..kv import ChunkKV
+from ..kv import ChunkKV, chunk_key
 from ..matching import ChunkTextIndex
 from ..store import KVStore, open_store
+from ..vllm.lookup import StoredChunkIndex
+
+FINGERPRINT, TOKENS = "lookup-bench", 8
 
 
 def entry(i: int) -> ChunkKV:
-    k = torch.zeros(1, 1, 2, 4)
-    return ChunkKV(f"lk{i:08d}", [i, i + 1], k, k.clone(), meta={"text": f"synthetic chunk {i} " + "x" * 40})
+    ids = list(range(i * TOKENS, (i + 1) * TOKENS))
+    k = torch.zeros(1, 1, TOKENS, 4)
+    return ChunkKV(chunk_key(FINGERPRINT, ids), ids, k, k.clone(),
+                   meta={"text": f"synthetic chunk {i} " + "x" * 40, "fingerprint": FINGERPRINT})
 
 
 class Listing:
@@ -53,6 +61,21 @@ def per_query_ms(store, queries: int, start: int) -> list[float]:
     return times
 
 
+def connector_per_query_ms(store: KVStore, queries: int, start: int, listing: bool) -> list[float]:
+    index = StoredChunkIndex(store, FINGERPRINT, head=TOKENS)
+    index.refresh()
+    times = []
+    for q in range(queries):
+        new = entry(start + q)
+        store.put(new)
+        t = time.perf_counter()
+        index.refresh(full=listing)
+        found = index.find([1, 2, 3] + new.token_ids + [4])
+        times.append((time.perf_counter() - t) * 1000)
+        assert [k for _, _, k in found] == [new.key]
+    return times
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--entries", type=int, default=100_000)
@@ -67,11 +90,14 @@ def main(argv: list[str] | None = None) -> dict:
     present = len(store.keys())
     for i in tqdm(range(present, args.entries), desc="filling the store", unit="entry"):
         store.put(entry(i))
-    journal = per_query_ms(store, args.queries, args.entries)
-    listing = per_query_ms(Listing(store), args.queries, args.entries + args.queries)
-    result = {"store": args.store, "entries": args.entries, "queries": args.queries,
-              "journal_ms_median": statistics.median(journal), "listing_ms_median": statistics.median(listing)}
-    result["listing_over_journal"] = result["listing_ms_median"] / result["journal_ms_median"]
+    n, q = args.entries, args.queries
+    result = {"store": args.store, "entries": n, "queries": q}
+    for name, journal, listing in (
+            ("text_index", lambda: per_query_ms(store, q, n), lambda: per_query_ms(Listing(store), q, n + q)),
+            ("connector_index", lambda: connector_per_query_ms(store, q, n + 2 * q, False),
+             lambda: connector_per_query_ms(store, q, n + 3 * q, True))):
+        j, l = statistics.median(journal()), statistics.median(listing())
+        result[name] = {"journal_ms_median": j, "listing_ms_median": l, "listing_over_journal": l / j}
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:
