@@ -284,6 +284,22 @@ def test_disk_rejects_unsafe_keys(tmp_path, key):
 
 # --- redis -------------------------------------------------------------------------------------
 
+def test_redis_journal_compaction_keeps_positions_and_sends_readers_behind_it_to_a_listing(redis_store):
+    store = redis_store
+    store.put(make_chunk("cc00"))
+    _, old = store.added_since(None)
+    for _ in range(1100):
+        store.put(make_chunk("cc01"))
+    _, recent = store.added_since(None)
+    store.put(make_chunk("cc02"))
+    assert store.compact_journal(keep=10) == 1102 - 10
+    assert store.added_since(recent) == (["cc02"], recent + 1)        # positions are absolute: kept readers read on
+    keys, now = store.added_since(old)                                # a reader behind the trim lists every key
+    assert sorted(keys) == ["cc00", "cc01", "cc02"] and now == recent + 1
+    store.put(make_chunk("cc03"))
+    assert store.added_since(now) == (["cc03"], now + 1)
+
+
 def test_redis_value_layout(redis_store, redis_url):
     import redis
 

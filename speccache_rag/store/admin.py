@@ -99,8 +99,9 @@ def gc(store: KVStore, max_bytes: int) -> int:
             break
         store.delete(key)
         freed += sizes[key]
-    if hasattr(store, "prune_texts"):                          # Redis: texts of entries that expired
-        store.prune_texts()
+    if hasattr(store, "prune_texts"):                          # Redis: texts of entries that expired, and
+        store.prune_texts()                                    # journal positions no reader needs any more
+        store.compact_journal()
     return freed
 
 

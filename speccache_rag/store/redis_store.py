@@ -18,6 +18,7 @@ PREFIX = "speccache:kv:"
 META_PREFIX = "speccache:meta:"
 TEXTS = "speccache:texts"           # key → chunk text, for every replica's prompt matching
 JOURNAL = "speccache:journal"       # every key put, in order (added_since reads it from an index)
+JOURNAL_START = "speccache:journal:start"   # the journal position of the list's first item (compaction moves it)
 T = TypeVar("T")
 
 
@@ -139,12 +140,29 @@ class RedisStore(KVStore):
 
     def added_since(self, cursor: int | None) -> tuple[list[str], int | None]:
         def read() -> tuple[list[str], int | None]:
-            length = self._client.llen(JOURNAL)
-            if cursor is None or length < cursor:      # first read, or the journal was emptied (a flush)
-                return self.keys(), length
-            new = [k.decode() for k in self._client.lrange(JOURNAL, cursor, -1)]
+            start, length = self._journal_bounds()
+            if cursor is None or not start <= cursor <= start + length:   # first read, a flush, or compacted past it
+                return self.keys(), start + length
+            new = [k.decode() for k in self._client.lrange(JOURNAL, cursor - start, -1)]
+            if self._journal_bounds()[0] != start:      # compacted while reading: the positions moved
+                return self.keys(), sum(self._journal_bounds())
             return new, cursor + len(new)
         return self._call(read, ([], cursor))
+
+    def _journal_bounds(self) -> tuple[int, int]:
+        start, length = self._client.pipeline(transaction=True).get(JOURNAL_START).llen(JOURNAL).execute()
+        return int(start or 0), int(length)
+
+    def compact_journal(self, keep: int = 1024) -> int:
+        """Drop the journal's oldest positions beyond ``keep`` + the live entries; → how many. A reader whose
+        cursor they held lists every key once, then follows the journal again."""
+        def trim() -> int:
+            drop = self._client.llen(JOURNAL) - max(keep, len(self.keys()))
+            if drop <= 0:
+                return 0
+            self._client.pipeline(transaction=True).ltrim(JOURNAL, drop, -1).incrby(JOURNAL_START, drop).execute()
+            return drop
+        return self._call(trim, 0)
 
     def keys(self) -> list[str]:
         def scan() -> list[str]:
