@@ -43,6 +43,7 @@ class Result:
     kind: str                  # "tenant", "probe" or "exact"
     tenant: str
     start: float               # seconds since the load began
+    end: float
     ttft_s: float | None
     prompt_tokens: int
     cached_tokens: int
@@ -102,9 +103,11 @@ def run_load(url: str, model: str, corpus: list[str], prompts: list[RAGPrompt], 
             start = time.perf_counter() - begin
             try:
                 ttft, text, n, cached = _chat(own, model, prompt, tenant or None, max_tokens, params)
-                row = Result(kind, tenant, start, ttft, n, cached, text, reference=reference)
+                row = Result(kind, tenant, start, time.perf_counter() - begin, ttft, n, cached, text,
+                             reference=reference)
             except Exception as e:  # reported: an unanswered request fails the run
-                row = Result(kind, tenant, start, None, 0, 0, "", error=f"{type(e).__name__}: {e}")
+                row = Result(kind, tenant, start, time.perf_counter() - begin, None, 0, 0, "",
+                             error=f"{type(e).__name__}: {e}")
             with lock:
                 results.append(row)
             i += clients
@@ -122,7 +125,9 @@ def run_load(url: str, model: str, corpus: list[str], prompts: list[RAGPrompt], 
 
 def summarize(results: list[Result], wall: float, outage: dict, owned: dict, corpus: list[str]) -> dict:
     def phase(r: Result) -> str:
-        return "before" if r.start < outage["down"] else "during" if r.start < outage["up"] + 5 else "after"
+        """Whether the request was in flight while Redis was down or the store still backed off (RedisStore
+        retries 5 s after a failure), or wholly before or after."""
+        return "before" if r.end < outage["down"] else "after" if r.start > outage["up"] + 5 else "during"
 
     def stats(rows: list[Result]) -> dict:
         ttfts = [r.ttft_s for r in rows if r.ttft_s is not None]
