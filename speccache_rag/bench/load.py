@@ -86,7 +86,6 @@ def run_load(url: str, model: str, corpus: list[str], prompts: list[RAGPrompt], 
 
     results: list[Result] = []
     lock, begin = threading.Lock(), time.perf_counter()
-    outage: dict = {}
 
     def worker(c: int) -> None:
         own = OpenAI(base_url=url, api_key="none", timeout=600, max_retries=0)
@@ -117,10 +116,9 @@ def run_load(url: str, model: str, corpus: list[str], prompts: list[RAGPrompt], 
         t.start()
     time.sleep(max(0.0, restart_at * duration - (time.perf_counter() - begin)))
     down, up = restart()
-    outage.update(down=down - begin, up=up - begin)
     for t in threads:
         t.join()
-    return summarize(results, time.perf_counter() - begin, outage, owned, corpus)
+    return summarize(results, time.perf_counter() - begin, {"down": down - begin, "up": up - begin}, owned, corpus)
 
 
 def summarize(results: list[Result], wall: float, outage: dict, owned: dict, corpus: list[str]) -> dict:

@@ -54,12 +54,12 @@ def child_env(**extra) -> dict:
 
 @contextlib.contextmanager
 def vllm_serve(python: str, model_dir: str, kv_transfer_config: dict, log: Path, name: str = "smollm2",
-               extra_args: tuple[str, ...] = (), preexec_fn=None, startup_s: float = 600, max_model_len: int = 2048):
+               extra_args: tuple[str, ...] = (), preexec_fn=None, startup_s: float = 600):
     """Start ``vllm serve`` with the SpecCache connector; yields its ``http://127.0.0.1:PORT/v1`` once it
     answers ``/v1/models``; terminates it on exit. ``log`` gets its output (shown when it fails)."""
     port = free_port()
     cmd = [python, "-m", "speccache_rag.vllm.serve", "serve", model_dir, "--served-model-name", name,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len),
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
            "--enforce-eager", "--kv-transfer-config", json.dumps(kv_transfer_config), *extra_args]
     with open(log, "w") as out:
         server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env(), preexec_fn=preexec_fn)

@@ -118,8 +118,8 @@ class StoredChunkIndex:
     new, not the size of the store; each key is read once and checked against the fingerprint its metadata
     names (the key must be that fingerprint's hash of its tokens, and the fingerprint this model's or one of its
     tenants'). Entries of other models are remembered as foreign and never read twice. Deleted entries are
-    forgotten at the next full listing (a reset journal, or every ``resync_s``); until then a deleted entry is a
-    store miss at blend time, recomputed like any other.
+    forgotten at the next full listing (every ``resync_s``); until then a deleted entry is a store miss at blend
+    time, recomputed like any other.
     """
 
     def __init__(self, store: KVStore, fingerprint: str, head: int = 8, resync_s: float = 300.0):
