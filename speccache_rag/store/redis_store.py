@@ -142,10 +142,11 @@ class RedisStore(KVStore):
         def read() -> tuple[list[str], int | None]:
             start, length = self._journal_bounds()
             if cursor is None or not start <= cursor <= start + length:   # first read, a flush, or compacted past it
-                return self.keys(), start + length
+                return self._scan(), start + length     # a failing scan fails the call: never an empty listing
             new = [k.decode() for k in self._client.lrange(JOURNAL, cursor - start, -1)]
             if self._journal_bounds()[0] != start:      # compacted while reading: the positions moved
-                return self.keys(), sum(self._journal_bounds())
+                end = sum(self._journal_bounds())
+                return self._scan(), end
             return new, cursor + len(new)
         return self._call(read, ([], cursor))
 
@@ -165,10 +166,11 @@ class RedisStore(KVStore):
         return self._call(trim, 0)
 
     def keys(self) -> list[str]:
-        def scan() -> list[str]:
-            # SCAN, not KEYS: KEYS blocks a shared server for as long as it walks the keyspace.
-            return [k.decode()[len(PREFIX):] for k in self._client.scan_iter(match=PREFIX + "*", count=1000)]
-        return self._call(scan, [])
+        return self._call(self._scan, [])
+
+    def _scan(self) -> list[str]:
+        # SCAN, not KEYS: KEYS blocks a shared server for as long as it walks the keyspace.
+        return [k.decode()[len(PREFIX):] for k in self._client.scan_iter(match=PREFIX + "*", count=1000)]
 
     def close(self) -> None:
         self._client.close()

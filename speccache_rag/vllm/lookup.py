@@ -114,8 +114,8 @@ class StoredChunkIndex:
     finding them in prompts.
 
     Entries are content-addressed (key = f(fingerprint, token ids)) and so never change. The index learns the
-    keys put since it last looked from the store's journal (``KVStore.added_since``), so a query costs what is
-    new, not the size of the store; each key is read once and checked against the fingerprint its metadata
+    keys put since it last looked from the store's journal (``KVStore.added_since``), so where the store keeps one
+    (memory, directory, Redis) a query costs what is new, not the size of the store; each key is read once and checked against the fingerprint its metadata
     names (the key must be that fingerprint's hash of its tokens, and the fingerprint this model's or one of its
     tenants'). Entries of other models are remembered as foreign and never read twice. Deleted entries are
     forgotten at the next full listing (every ``resync_s``); until then a deleted entry is a store miss at blend
@@ -126,36 +126,44 @@ class StoredChunkIndex:
         self.store, self.fingerprint, self.head, self.resync_s = store, fingerprint, max(1, head), resync_s
         self._entries: dict[str, tuple[str, list[int]]] = {}     # key → (tenant fingerprint, token ids)
         self._foreign: set[str] = set()
+        self._unread: set[str] = set()           # journaled keys whose entry could not be read yet: tried again
         self._by_head: dict[tuple, list[str]] = defaultdict(list)
         self._cursor: int | None = None
         self._listed_at = 0.0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()            # guards the index (find/place read it from other threads)
+        self._refreshing = threading.Lock()      # one refresh at a time: cursor and listing go together
 
     def refresh(self, full: bool = False) -> None:
         """Learn what was stored since the last call; ``full`` (also the first call, and every ``resync_s``):
-        list every key, and forget the deleted ones."""
-        full = full or self._cursor is None or time.monotonic() - self._listed_at > self.resync_s
-        keys, self._cursor = self.store.added_since(None if full else self._cursor)
-        with self._lock:
-            if full:
+        list every key, and forget the deleted ones. An empty listing forgets nothing: a store that cannot be
+        reached answers one, and a stale entry costs only a miss."""
+        with self._refreshing:
+            full = full or self._cursor is None or time.monotonic() - self._listed_at > self.resync_s
+            keys, self._cursor = self.store.added_since(None if full else self._cursor)
+            if full and keys:
                 self._listed_at, present = time.monotonic(), set(keys)
-                for key in [k for k in self._entries if k not in present]:
-                    fingerprint, ids = self._entries.pop(key)
-                    self._by_head[(fingerprint, tuple(ids[: self.head]))].remove(key)
-            for key in dict.fromkeys(keys):
+                self._unread &= present
+                with self._lock:
+                    for key in [k for k in self._entries if k not in present]:
+                        fingerprint, ids = self._entries.pop(key)
+                        self._by_head[(fingerprint, tuple(ids[: self.head]))].remove(key)
+            for key in dict.fromkeys([*keys, *self._unread]):
                 if key in self._entries or key in self._foreign:
                     continue
                 found = peek_entry(self.store, key)
                 if found is None:
+                    self._unread.add(key)
                     continue
+                self._unread.discard(key)
                 ids, named, model = found
                 fingerprint = named or self.fingerprint
                 if (len(ids) < self.head or chunk_key(fingerprint, ids) != key
                         or self.fingerprint not in (fingerprint, model)):
                     self._foreign.add(key)
                     continue
-                self._entries[key] = (fingerprint, ids)
-                self._by_head[(fingerprint, tuple(ids[: self.head]))].append(key)
+                with self._lock:
+                    self._entries[key] = (fingerprint, ids)
+                    self._by_head[(fingerprint, tuple(ids[: self.head]))].append(key)
 
     def __len__(self) -> int:
         return len(self._entries)

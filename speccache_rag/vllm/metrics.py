@@ -22,8 +22,9 @@ COUNTERS = {
     "vllm:speccache_blend_errors": ("errors", "Blends that failed (vLLM recomputed the request instead)."),
     "vllm:speccache_ignored_chunks": ("ignored", "Chunk ids a client named that the server could not place."),
     "vllm:speccache_precomputed_chunks": ("stored", "Chunks the SpecCache worker stored."),
-    "vllm:speccache_refused_requests": ("refused", "Requests refused by a tenancy policy (require_salt, "
-                                                   "client_precompute)."),
+    "vllm:speccache_refused_requests": ("refused", "Requests a tenancy policy refused that still reached the engine "
+                                                   "(served without reuse; the middleware's HTTP refusals are "
+                                                   "vllm:speccache_rejected_requests)."),
     "vllm:speccache_plain_requests": ("plain", "Requests with a SpecCache hint the scheduler could not use (plain "
                                                "vLLM prefill instead)."),
     "vllm:speccache_gate_passed": ("gate_passed", "Workers whose correctness gate passed at start-up."),
