@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -24,6 +25,7 @@ from ..prompt import render
 from ..runner import KVCache, prefill
 from ..selection.base import Selection, budget_for
 from ..selection.qattn import question_probe
+from .results import read_rows
 
 SIGNALS = ("mass_top5", "mass_top15", "mass_top25", "share_for_half", "entropy", "top_prob")
 
@@ -75,11 +77,9 @@ def main(argv: list[str] | None = None) -> dict:
     from .suites import get_suite
 
     kl: dict[str, dict[str, float]] = {}
-    with open(args.results, encoding="utf-8") as f:
-        for line in f:
-            row = json.loads(line)
-            if row.get("kind") == "quality" and row.get("target") == args.target:
-                kl.setdefault(row["example"], {})[row["method"]] = row["kl"]
+    for row in read_rows(Path(args.results)):
+        if row["kind"] == "quality" and row["target"] == args.target:
+            kl.setdefault(row["example"], {})[row["method"]] = row["kl"]
     suite = get_suite("musique")
     engine = SpecCacheEngine.from_pretrained(args.target, store=args.kv_store, gate=False, warm_up=False,
                                              threads=args.threads)
