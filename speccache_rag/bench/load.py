@@ -120,10 +120,11 @@ def run_load(url: str, model: str, corpus: list[str], prompts: list[RAGPrompt], 
     down, up = restart()
     for t in threads:
         t.join()
-    return summarize(results, time.perf_counter() - begin, {"down": down - begin, "up": up - begin}, owned, corpus)
+    report = summarize(results, time.perf_counter() - begin, {"down": down - begin, "up": up - begin})
+    return {**report, "corpus": len(corpus), "owned_per_tenant": len(owned[tenants[0]])}
 
 
-def summarize(results: list[Result], wall: float, outage: dict, owned: dict, corpus: list[str]) -> dict:
+def summarize(results: list[Result], wall: float, outage: dict) -> dict:
     def phase(r: Result) -> str:
         """Whether the request was in flight while Redis was down or the store still backed off (RedisStore
         retries 5 s after a failure), or wholly before or after."""
@@ -148,7 +149,6 @@ def summarize(results: list[Result], wall: float, outage: dict, owned: dict, cor
         "exact": len([r for r in results if r.kind == "exact"]),
         "exact_mismatches": [asdict(r) for r in results if r.kind == "exact" and r.error is None
                              and r.text != r.reference],
-        "corpus": len(corpus), "owned_per_tenant": len(next(iter(owned.values()))),
     }
 
 
