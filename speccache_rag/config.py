@@ -64,6 +64,7 @@ class ReuseConfig:
     qattn_heads: str = "mean"           # qattn: "mean" or "max" over heads
     qattn_sink: int = 0                 # qattn: the first k tokens of every chunk are chosen first
     qattn_rounds: int = 1               # qattn: the budget in n parts, each re-scored over the repaired KV
+    qattn_rows: int = 0                 # qattn: score with the question's last k rows only (0: every row)
     neighbors: str = "preceding"        # which stored variant of a chunk to read (neighbors.py)
     seed: int = 0                       # for "random"
 
@@ -94,6 +95,8 @@ class ReuseConfig:
                              f"got {self.qattn_layers!r}")
         if self.qattn_rounds < 1:
             raise ValueError(f"qattn_rounds must be >= 1, got {self.qattn_rounds}")
+        if self.qattn_rows < 0:
+            raise ValueError(f"qattn_rows must be >= 0, got {self.qattn_rows}")
         if self.qattn_pool < 1 or self.qattn_sink < 0:
             raise ValueError(f"need qattn_pool >= 1 and qattn_sink >= 0, got {self.qattn_pool}, {self.qattn_sink}")
         if self.qattn_heads not in ("mean", "max"):

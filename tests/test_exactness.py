@@ -103,7 +103,7 @@ def test_every_method_at_ratio_one_equals_full_prefill(engine, full_out, method)
 
 @pytest.mark.parametrize("options", [dict(qattn_rounds=2), dict(qattn_rounds=3, qattn_sink=4, qattn_pool=3)])
 def test_multi_round_qattn_at_ratio_one_equals_full_prefill(engine, full_out, options):
-    """Each round re-recomputes the earlier rounds' tokens that read what it repairs: exact at r = 1."""
+    """A budget that covers every chunk token is one round: exact at r = 1."""
     prompt = RAGPrompt(chunks=CHUNKS, question=QUESTION)
     out = engine.generate(prompt, max_new_tokens=12, reuse=ReuseConfig(method="qattn", recompute_ratio=1.0, **options),
                           return_first_logits=True)

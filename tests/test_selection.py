@@ -168,6 +168,8 @@ def test_question_rows_are_everything_after_the_last_chunk(two_tokenizers):
         assert rows.tolist() == list(range(last.end, len(tokens)))
         text = tok.decode([tokens.token_ids[i] for i in rows])
         assert question in text and not any(c[-20:] in text for c in CHUNKS)
+        last_three = _selection(tokens, 0.15, qattn_rows=3)
+        assert always[question_rows(last_three, always)].tolist() == rows[-3:].tolist()
 
 
 def test_question_attention_needs_chunks(two_tokenizers):
@@ -201,10 +203,44 @@ def test_question_attention_probe_scores_what_the_rows_attend():
 
 @pytest.mark.parametrize("bad, match", [(dict(qattn_layers=(0.6, 0.5)), "qattn_layers"),
                                         (dict(qattn_layers=(0.0, 1.5)), "qattn_layers"),
-                                        (dict(qattn_pool=0), "qattn_pool"), (dict(qattn_heads="sum"), "qattn_heads")])
+                                        (dict(qattn_pool=0), "qattn_pool"), (dict(qattn_heads="sum"), "qattn_heads"),
+                                        (dict(qattn_rows=-1), "qattn_rows")])
 def test_bad_question_attention_options_are_rejected(bad, match):
     with pytest.raises(ValueError, match=match):
         ReuseConfig(method="qattn", **bad)
+
+
+def test_each_qattn_round_recomputes_its_own_tokens_and_the_question(monkeypatch):
+    """Rounds split the budget: every chunk token goes through the model at most once, the question once more
+    per round (re-scored over what the round repaired), and the budget is spent exactly."""
+    from speccache_rag.blend import Blender
+    from speccache_rag.layers import HFLayers
+    from speccache_rag.output import GenerationStats
+    from speccache_rag.runner import KVCache
+    from speccache_rag.selection import qattn
+    from speccache_rag.store.memory import MemoryStore
+    from tiny_models import tiny_random_model
+
+    tok = load_tokenizer("smollm2-135m")
+    model, _ = tiny_random_model("llama", tokenizer=tok)
+    tokens = render(RAGPrompt(chunks=CHUNKS, question="How heavy is it?"), tok)
+    blender = Blender(HFLayers(model), MemoryStore(), "tiny", [], sink="none")
+    for seg in tokens.chunk_segments():
+        blender.ensure_stored(tokens.token_ids[seg.start:seg.end], seg.text)
+    passes = []
+    real = qattn.prefill
+    monkeypatch.setattr(qattn, "prefill", lambda ops, cache, ids, pos, **kw: passes.append(pos) or real(ops, cache, ids, pos, **kw))
+    stats = GenerationStats("qattn", len(tokens))
+    config = ReuseConfig(recompute_ratio=0.3, qattn_rounds=3)
+    blender.blend(tokens, KVCache.empty(blender.ops, len(tokens)), config, stats)
+    chunk_tokens = torch.cat([torch.arange(s.start, s.end) for s in tokens.chunk_segments()])
+    in_chunks = [p[torch.isin(p, chunk_tokens)] for p in passes]
+    question = torch.arange(tokens.chunk_segments()[-1].end, len(tokens))
+    assert len(passes) == 4 and in_chunks[0].numel() == 0
+    assert all(torch.isin(question, p).all() for p in passes)
+    spent = torch.cat(in_chunks)
+    assert spent.numel() == spent.unique().numel() == budget_for(0.3, chunk_tokens.numel())
+    assert all(p.numel() > 0 for p in in_chunks[1:])
 
 
 def test_every_configurable_method_has_one_registered_selector():

@@ -75,8 +75,10 @@ def question_probe(ops, sel: Selection, recomputed: torch.Tensor) -> QuestionAtt
 def second_pass(probe: QuestionAttention, sel: Selection, recomputed: torch.Tensor, taken: torch.Tensor,
                 share: float) -> tuple[torch.Tensor, torch.Tensor]:
     """After a pass over ``recomputed`` → (chosen positions, positions to recompute again): ``share`` of the
-    budget, among candidates not ``taken`` by an earlier round. Recomputed (or taken) tokens before the first
-    chosen one read nothing stale: their pass is final; those after it are recomputed again."""
+    budget, among candidates not ``taken`` by an earlier round. Recomputed tokens before the first chosen one
+    read nothing stale: their pass is final; those after it (the question) are recomputed again. An earlier
+    round's tokens are not: they read this round's as stale as any unchosen token, which keeps each round's
+    cost to its own tokens."""
     cfg, candidates = sel.config, sel.reusable_positions
     budget = sel.budget
     if cfg.recompute_ratio == "auto":      # sized by the attention mass; the forced chunk sinks come on top
@@ -87,7 +89,6 @@ def second_pass(probe: QuestionAttention, sel: Selection, recomputed: torch.Tens
     chosen = top_positions(qattn_scores(probe, sel), candidates, round((budget - taken.numel()) * share))
     if chosen.numel() == 0:
         return chosen, chosen
-    recomputed = torch.cat([recomputed, taken])   # an earlier round's tokens after this round's first read stale KV
     return chosen, torch.cat([chosen, recomputed[recomputed > chosen[0]]]).unique()
 
 
@@ -100,8 +101,10 @@ def question_start(tokens: TokenizedPrompt) -> int:
 
 
 def question_rows(sel: Selection, always: torch.Tensor) -> torch.Tensor:
-    """Of the always-recomputed positions, the indices of those after the last chunk (question, suffix)."""
-    return (always >= question_start(sel.tokens)).nonzero().flatten()
+    """Of the always-recomputed positions, the indices of those after the last chunk (question, suffix), or
+    of the last ``qattn_rows`` of them."""
+    rows = (always >= question_start(sel.tokens)).nonzero().flatten()
+    return rows[-sel.config.qattn_rows:] if sel.config.qattn_rows else rows
 
 
 @blend_selector("qattn")
@@ -110,11 +113,13 @@ def qattn_prefill(ops, cache: KVCache, sel: Selection, always: torch.Tensor) -> 
     """Blend ``cache`` (reused chunks loaded) in place → (last-token logits, positions recomputed at least once).
 
     With ``qattn_rounds`` = n > 1 the budget is spent in n equal parts, each chosen by the question's
-    attention over the KV the earlier parts repaired (CacheBlend's gradual filtering, by attention)."""
+    attention over the KV the earlier parts repaired (CacheBlend's gradual filtering, by attention): a
+    question whose second hop sits in a passage that never saw the first can only find it once the first
+    is repaired. A budget that covers every chunk token needs no choosing: one round, exact."""
     ids = sel.tokens.ids
     if sel.budget == 0:
         return prefill(ops, cache, ids[always], always), always
-    rounds = sel.config.qattn_rounds
+    rounds = sel.config.qattn_rounds if sel.budget < sel.reusable_positions.numel() else 1
     probe = question_probe(ops, sel, always)
     logits = prefill(ops, cache, ids[always], always, observe=probe)
     taken = always[:0]
