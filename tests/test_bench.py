@@ -367,3 +367,26 @@ def test_divergence_analysis_locates_stale_kv(smollm2):
     assert row["qattn@1.0"]["picked"] == row["chunk_tokens"] and max(row["qattn@1.0"]["layer_v"]) < 1e-3
     md = report([row], ["qattn@0.5", "qattn@1.0"], "smollm2")
     assert "| qattn@0.5 |" in md and "by chunk index" in md
+
+
+def test_budget_path_spends_the_budget_step_by_step_and_one_whole_step_is_full_prefill(smollm2):
+    """Each step recomputes its own share of the chunk tokens; a single step covering all of them is full prefill."""
+    from speccache_rag import RAGPrompt
+    from speccache_rag.bench.budget_path import budget_path
+    from speccache_rag.bench.methods import BenchEngine
+    from speccache_rag.prompt import render
+    from speccache_rag.runner import full_prefill
+
+    engine = BenchEngine(*smollm2, store="memory://")
+    prompt = RAGPrompt(chunks=["Company Alba was founded by Ivo Renn in 1950 in the port town of Sella.",
+                               "Ivo Renn was born in Kestrel, a village north of Sella, and studied law there."],
+                       question="Where was the founder of Alba born?")
+    engine.precompute(prompt.chunks)
+    tokens = render(prompt, engine.tokenizer)
+    full = full_prefill(engine.ops, tokens.ids)[1]
+    steps = budget_path(engine, tokens, full, step=0.25, upto=0.5)
+    shares = [s["r"] for s in steps]
+    assert len(steps) == 3 and shares[0] == 0 < shares[1] < shares[2] and shares[2] == pytest.approx(0.5, abs=0.05)
+    assert steps[0]["kl"] > 1e-3 and all(s["moved"] >= 0 for s in steps[1:])
+    whole = budget_path(engine, tokens, full, step=1.0, upto=1.0)
+    assert len(whole) == 2 and whole[0]["kl"] == steps[0]["kl"] and whole[1]["kl"] < 1e-4 and whole[1]["top1"] == 1.0

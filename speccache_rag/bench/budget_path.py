@@ -1,0 +1,105 @@
+"""How fidelity moves as the budget is spent step by step (issue 24: multi-round repair, a per-question budget).
+
+    python -m speccache_rag.bench.budget_path --target qwen2.5-coder-1.5b --kv-store /tmp/kv15 \\
+        --refs bench-results/musique-15b-nb2/refs --questions 20 --step 0.025 --upto 0.3
+
+For each `musique` question whose chunks the bench stored in ``--kv-store``, the qattn first pass ranks the chunk
+tokens; then the budget is spent in steps of ``--step``: each step recomputes the next-ranked tokens and the
+question after them, and its last-token logits are compared with full prefill's (``--refs``: the bench's stored
+references; else computed). Per question the path of first-token KL, and how far each step moved the answer's
+distribution — the free signal a stop-when-settled budget would read.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from ..config import ReuseConfig
+from ..output import GenerationStats
+from ..prompt import TokenizedPrompt, render
+from ..runner import KVCache, full_prefill, prefill
+from ..selection.base import Selection, budget_for, top_positions
+from ..selection.qattn import qattn_scores, question_probe
+from .metrics import first_token_fidelity
+
+
+@torch.inference_mode()
+def budget_path(engine, tokens: TokenizedPrompt, full_logits: torch.Tensor, step: float, upto: float) -> list[dict]:
+    """The stored chunks of ``tokens`` loaded (neighbour variants as the default reads them), then repaired
+    ``step`` of the chunk tokens at a time up to ``upto`` → one point per step: the share recomputed, KL(full ‖
+    step) and top-1, and ``moved``: KL(step ‖ previous step)."""
+    ops = engine.ops
+    cache = KVCache.empty(ops, len(tokens) + 1)
+    reusable, _ = engine.blender.load(tokens, cache, GenerationStats("qattn", len(tokens)),
+                                      neighbors=ReuseConfig().neighbors)
+    n = int(reusable.sum())
+    sel = Selection(tokens, reusable, budget_for(upto, n), ReuseConfig())
+    always = (~reusable).nonzero().flatten()
+    probe = question_probe(ops, sel, always)
+    logits = prefill(ops, cache, tokens.ids[always], always, observe=probe)
+    scores, taken = qattn_scores(probe, sel), always[:0]
+    points = [{"r": 0.0, **first_token_fidelity(full_logits, logits)}]
+    for k in range(1, round(upto / step) + 1):
+        candidates = sel.reusable_positions[~torch.isin(sel.reusable_positions, taken)]
+        chosen = top_positions(scores, candidates, budget_for(min(upto, k * step), n) - taken.numel())
+        if chosen.numel() == 0:
+            break
+        taken = torch.cat([taken, chosen])
+        again = torch.cat([chosen, always[always > chosen[0]]]).unique()
+        previous, logits = logits, prefill(ops, cache, tokens.ids[again], again)
+        points.append({"r": taken.numel() / n, **first_token_fidelity(full_logits, logits),
+                       "moved": first_token_fidelity(logits, previous)["kl"]})
+    return points
+
+
+def _full_logits(engine, tokens: TokenizedPrompt, refs: Path | None, target: str, example: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    from .suite_run import _safe
+
+    path = refs / _safe(target) / (_safe(example) + ".safetensors") if refs else None
+    if path is not None and path.exists():
+        with safe_open(str(path), "pt") as f:
+            return f.get_tensor("first_logits")
+    return full_prefill(engine.ops, tokens.ids)[1]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="python -m speccache_rag.bench.budget_path", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="qwen2.5-coder-1.5b")
+    p.add_argument("--kv-store", required=True, help="the bench's --kv-store (chunks of these questions)")
+    p.add_argument("--refs", default=None, help="the bench's OUT/refs (full prefill's logits); else computed")
+    p.add_argument("--questions", type=int, default=20)
+    p.add_argument("--step", type=float, default=0.025)
+    p.add_argument("--upto", type=float, default=0.3)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    if not 0 < args.step <= args.upto <= 1:
+        raise SystemExit(f"need 0 < --step <= --upto <= 1, got {args.step}, {args.upto}")
+    from .. import SpecCacheEngine
+    from .suite_run import _examples, _prompt
+    from .suites import get_suite
+
+    suite = get_suite("musique")
+    engine = SpecCacheEngine.from_pretrained(args.target, store=args.kv_store, gate=False, warm_up=False,
+                                             threads=args.threads)
+    refs = Path(args.refs) if args.refs else None
+    rows = []
+    for ex in _examples(suite.replace(n_per_task=args.questions), engine.tokenizer, suite.longbench):
+        tokens = render(_prompt(suite, ex), engine.tokenizer)
+        row = {"example": ex.id, "path": budget_path(engine, tokens, _full_logits(engine, tokens, refs, args.target, ex.id),
+                                                      args.step, args.upto)}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    steps = min(len(r["path"]) for r in rows)
+    print(f"mean KL(full ‖ step) over {len(rows)} questions, by share recomputed:")
+    for k in range(steps):
+        print(f"  r = {rows[0]['path'][k]['r']:.3f}: {sum(r['path'][k]['kl'] for r in rows) / len(rows):.3f}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
