@@ -92,7 +92,8 @@ def test_method_names():
     assert (auto.recompute_ratio, auto.auto_mass) == ("auto", 0.9)
     assert parse_method("qattn@auto").reuse_config().auto_mass == ReuseConfig().auto_mass
     opts = parse_method("qattn@0.15+sink=32+rounds=2+layers=0.25-1+heads=max+rows=4").reuse_config()
-    assert (opts.qattn_sink, opts.qattn_rounds, opts.qattn_layers, opts.qattn_heads, opts.qattn_rows) == (32, 2, (0.25, 1.0), "max", 4)
+    assert (opts.qattn_sink, opts.qattn_rounds, opts.qattn_layers, opts.qattn_heads, opts.qattn_rows) == \
+        (32, 2, (0.25, 1.0), "max", 4)
     assert parse_method("qattn@auto+auto_range=0.05-0.15").reuse_config().auto_range == (0.05, 0.15)
     for bad in ("nope", "speccache@2", "epic-kx", "speccache", "qattn@auto:0", "qattn@auto:x", "norm@auto:0.5",
                 "qattn@0.15+bogus=1", "qattn@0.15+rounds=0", "qattn@0.15+sink"):

@@ -227,9 +227,13 @@ def test_each_qattn_round_recomputes_its_own_tokens_and_the_question(monkeypatch
     blender = Blender(HFLayers(model), MemoryStore(), "tiny", [], sink="none")
     for seg in tokens.chunk_segments():
         blender.ensure_stored(tokens.token_ids[seg.start:seg.end], seg.text)
-    passes = []
-    real = qattn.prefill
-    monkeypatch.setattr(qattn, "prefill", lambda ops, cache, ids, pos, **kw: passes.append(pos) or real(ops, cache, ids, pos, **kw))
+    passes, real = [], qattn.prefill
+
+    def counted(ops, cache, ids, positions, **kw):
+        passes.append(positions)
+        return real(ops, cache, ids, positions, **kw)
+
+    monkeypatch.setattr(qattn, "prefill", counted)
     stats = GenerationStats("qattn", len(tokens))
     config = ReuseConfig(recompute_ratio=0.3, qattn_rounds=3)
     blender.blend(tokens, KVCache.empty(blender.ops, len(tokens)), config, stats)

@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for ex in _examples(suite.replace(n_per_task=args.questions), engine.tokenizer, suite.longbench):
         tokens = render(_prompt(suite, ex), engine.tokenizer)
-        row = {"example": ex.id, "path": budget_path(engine, tokens, _full_logits(engine, tokens, refs, args.target, ex.id),
-                                                      args.step, args.upto)}
+        full = _full_logits(engine, tokens, refs, args.target, ex.id)
+        row = {"example": ex.id, "path": budget_path(engine, tokens, full, args.step, args.upto)}
         print(json.dumps(row), flush=True)
         rows.append(row)
     steps = min(len(r["path"]) for r in rows)
