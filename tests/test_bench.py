@@ -389,5 +389,9 @@ def test_budget_path_spends_the_budget_step_by_step_and_one_whole_step_is_full_p
     shares = [s["r"] for s in steps]
     assert len(steps) == 3 and shares[0] == 0 < shares[1] < shares[2] and shares[2] == pytest.approx(0.5, abs=0.05)
     assert steps[0]["kl"] > 1e-3 and all(s["moved"] >= 0 for s in steps[1:])
+    from speccache_rag.bench.budget_path import settled
+
+    path = [{"r": 0.0}, {"r": 0.1, "moved": 0.5}, {"r": 0.2, "moved": 0.001}, {"r": 0.3, "moved": 0.0}]
+    assert settled(path, 0.01)["r"] == 0.2 and settled(path, 0.0)["r"] == 0.3
     whole = budget_path(engine, tokens, full, step=1.0, upto=1.0)
     assert len(whole) == 2 and whole[0]["kl"] == steps[0]["kl"] and whole[1]["kl"] < 1e-4 and whole[1]["top1"] == 1.0

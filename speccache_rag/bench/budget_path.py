@@ -97,8 +97,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     steps = min(len(r["path"]) for r in rows)
     print(f"mean KL(full ‖ step) over {len(rows)} questions, by share recomputed:")
     for k in range(steps):
-        print(f"  r = {rows[0]['path'][k]['r']:.3f}: {sum(r['path'][k]['kl'] for r in rows) / len(rows):.3f}")
+        print(f"  r = {rows[0]['path'][k]['r']:.3f}: {mean([r['path'][k]['kl'] for r in rows]):.3f}")
+    for tau in (0.02, 0.01, 0.005):
+        stops = [settled(r["path"], tau) for r in rows]
+        print(f"stop once a step moves KL < {tau}: mean share {mean([s['r'] for s in stops]):.3f}, "
+              f"mean KL {mean([s['kl'] for s in stops]):.3f}")
+    best = [min((s for s in r["path"] if s["r"] <= 0.15 + args.step / 2), key=lambda s: s["kl"]) for r in rows]
+    print(f"oracle: each question's best step within 0.15: mean KL {mean([s['kl'] for s in best]):.3f}")
     return rows
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def settled(path: list[dict], tau: float) -> dict:
+    """The first step (after at least one) that moved the answer's distribution by less than ``tau``, else the last."""
+    return next((s for s in path[1:] if s["moved"] < tau), path[-1])
 
 
 if __name__ == "__main__":
