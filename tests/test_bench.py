@@ -373,7 +373,7 @@ def test_divergence_analysis_locates_stale_kv(smollm2):
 def test_budget_path_spends_the_budget_step_by_step_and_one_whole_step_is_full_prefill(smollm2):
     """Each step recomputes its own share of the chunk tokens; a single step covering all of them is full prefill."""
     from speccache_rag import RAGPrompt
-    from speccache_rag.bench.budget_path import budget_path
+    from speccache_rag.bench.budget_path import budget_path, settled
     from speccache_rag.bench.methods import BenchEngine
     from speccache_rag.prompt import render
     from speccache_rag.runner import full_prefill
@@ -389,8 +389,6 @@ def test_budget_path_spends_the_budget_step_by_step_and_one_whole_step_is_full_p
     shares = [s["r"] for s in steps]
     assert len(steps) == 3 and shares[0] == 0 < shares[1] < shares[2] and shares[2] == pytest.approx(0.5, abs=0.05)
     assert steps[0]["kl"] > 1e-3 and all(s["moved"] >= 0 for s in steps[1:])
-    from speccache_rag.bench.budget_path import settled
-
     path = [{"r": 0.0}, {"r": 0.1, "moved": 0.5}, {"r": 0.2, "moved": 0.001}, {"r": 0.3, "moved": 0.0}]
     assert settled(path, 0.01)["r"] == 0.2 and settled(path, 0.0)["r"] == 0.3
     whole = budget_path(engine, tokens, full, step=1.0, upto=1.0)
