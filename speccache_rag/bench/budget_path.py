@@ -13,43 +13,35 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from ..config import ReuseConfig
-from ..output import GenerationStats
 from ..prompt import TokenizedPrompt, render
-from ..runner import KVCache, full_prefill, prefill
-from ..selection.base import Selection, budget_for, top_positions
-from ..selection.qattn import qattn_scores, question_probe
+from ..runner import full_prefill, prefill
+from ..selection.base import budget_for
+from ..selection.qattn import second_pass
+from .budget_signals import first_pass
 from .metrics import first_token_fidelity
 
 
 @torch.inference_mode()
 def budget_path(engine, tokens: TokenizedPrompt, full_logits: torch.Tensor, step: float, upto: float) -> list[dict]:
     """The stored chunks of ``tokens`` loaded (neighbour variants as the default reads them), then repaired
-    ``step`` of the chunk tokens at a time up to ``upto`` → one point per step: the share recomputed, KL(full ‖
-    step) and top-1, and ``moved``: KL(step ‖ previous step)."""
-    ops = engine.ops
-    cache = KVCache.empty(ops, len(tokens) + 1)
-    reusable, _ = engine.blender.load(tokens, cache, GenerationStats("qattn", len(tokens)),
-                                      neighbors=ReuseConfig().neighbors)
-    n = int(reusable.sum())
-    sel = Selection(tokens, reusable, budget_for(upto, n), ReuseConfig())
-    always = (~reusable).nonzero().flatten()
-    probe = question_probe(ops, sel, always)
-    logits = prefill(ops, cache, tokens.ids[always], always, observe=probe)
-    scores, taken = qattn_scores(probe, sel), always[:0]
+    ``step`` of the chunk tokens at a time up to ``upto``, each step chosen and recomputed as a qattn round
+    ranked by the first pass → one point per step: the share recomputed, KL(full ‖ step) and top-1, and
+    ``moved``: KL(step ‖ previous step)."""
+    first = first_pass(engine, tokens, upto)
+    n, logits, taken = first.sel.reusable_positions.numel(), first.logits, first.always[:0]
     points = [{"r": 0.0, **first_token_fidelity(full_logits, logits)}]
     for k in range(1, round(upto / step) + 1):
-        candidates = sel.reusable_positions[~torch.isin(sel.reusable_positions, taken)]
-        chosen = top_positions(scores, candidates, budget_for(min(upto, k * step), n) - taken.numel())
+        sel = replace(first.sel, budget=budget_for(min(upto, k * step), n))
+        chosen, again = second_pass(first.probe, sel, first.always, taken, share=1.0)
         if chosen.numel() == 0:
             break
         taken = torch.cat([taken, chosen])
-        again = torch.cat([chosen, always[always > chosen[0]]]).unique()
-        previous, logits = logits, prefill(ops, cache, tokens.ids[again], again)
+        previous, logits = logits, prefill(engine.ops, first.cache, tokens.ids[again], again)
         points.append({"r": taken.numel() / n, **first_token_fidelity(full_logits, logits),
                        "moved": first_token_fidelity(logits, previous)["kl"]})
     return points
@@ -58,9 +50,9 @@ def budget_path(engine, tokens: TokenizedPrompt, full_logits: torch.Tensor, step
 def _full_logits(engine, tokens: TokenizedPrompt, refs: Path | None, target: str, example: str) -> torch.Tensor:
     from safetensors import safe_open
 
-    from .suite_run import _safe
+    from .suite_run import reference_path
 
-    path = refs / _safe(target) / (_safe(example) + ".safetensors") if refs else None
+    path = reference_path(refs, target, example) if refs else None
     if path is not None and path.exists():
         with safe_open(str(path), "pt") as f:
             return f.get_tensor("first_logits")

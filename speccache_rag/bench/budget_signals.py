@@ -15,33 +15,53 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..config import ReuseConfig
 from ..output import GenerationStats
-from ..prompt import render
+from ..prompt import TokenizedPrompt, render
 from ..runner import KVCache, prefill
 from ..selection.base import Selection, budget_for
-from ..selection.qattn import question_probe
+from ..selection.qattn import QuestionAttention, question_probe
 from .results import read_rows
 
 SIGNALS = ("mass_top5", "mass_top15", "mass_top25", "share_for_half", "entropy", "top_prob")
 
 
+@dataclass
+class FirstPass:
+    """The default's first pass over a prompt's stored chunks: the cache it filled, its selection at ``ratio``,
+    the always-recomputed positions, the question's attention over the reused KV, and the last-token logits."""
+    cache: KVCache
+    sel: Selection
+    always: torch.Tensor
+    probe: QuestionAttention
+    logits: torch.Tensor
+    stats: GenerationStats
+
+
 @torch.inference_mode()
-def signals(engine, prompt) -> dict:
-    """The qattn first pass over ``prompt``'s stored chunks → the signals (and how many chunks were hits)."""
-    tokens = render(prompt, engine.tokenizer)
+def first_pass(engine, tokens: TokenizedPrompt, ratio: float = 0.15) -> FirstPass:
+    """Load ``tokens``' stored chunks as the default reads them (neighbour variants included), then prefill the
+    always-recomputed positions over them, observing the question's attention."""
     cache = KVCache.empty(engine.ops, len(tokens) + 1)
     stats = GenerationStats(method="qattn", prompt_tokens=len(tokens))
     reusable, _ = engine.blender.load(tokens, cache, stats, neighbors=ReuseConfig().neighbors)
-    sel = Selection(tokens, reusable, budget_for(0.15, int(reusable.sum())), ReuseConfig())
+    sel = Selection(tokens, reusable, budget_for(ratio, int(reusable.sum())), ReuseConfig())
     always = (~reusable).nonzero().flatten()
     probe = question_probe(engine.ops, sel, always)
-    p = prefill(engine.ops, cache, tokens.ids[always], always, observe=probe).float().softmax(-1)
-    scores = probe.scores[reusable].float().clamp_min(0).sort(descending=True).values
+    logits = prefill(engine.ops, cache, tokens.ids[always], always, observe=probe)
+    return FirstPass(cache, sel, always, probe, logits, stats)
+
+
+def signals(engine, prompt) -> dict:
+    """The qattn first pass over ``prompt``'s stored chunks → the signals (and how many chunks were hits)."""
+    first = first_pass(engine, render(prompt, engine.tokenizer))
+    stats, p = first.stats, first.logits.float().softmax(-1)
+    scores = first.probe.scores[first.sel.reusable].float().clamp_min(0).sort(descending=True).values
     mass = scores.cumsum(0) / scores.sum()
     n = scores.numel()
     return {"hits": stats.cache_hits, **{f"mass_top{q}": float(mass[max(0, round(q / 100 * n) - 1)])

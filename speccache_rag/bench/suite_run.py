@@ -127,6 +127,11 @@ def _safe(name: str) -> str:
     return re.sub(r"[^\w.-]+", "_", name)
 
 
+def reference_path(refs: Path, target: str, example: str) -> Path:
+    """Where ``refs`` keeps full prefill's reference for one target and prompt."""
+    return refs / _safe(target) / (_safe(example) + ".safetensors")
+
+
 def _reference(engine: BenchEngine, suite: Suite, target: str, ex: Example, prompt: RAGPrompt,
                refs: Path | None) -> tuple:
     """Full prefill's greedy output on ``prompt`` and its wall time: computed, or read from ``refs`` (one
@@ -136,7 +141,7 @@ def _reference(engine: BenchEngine, suite: Suite, target: str, ex: Example, prom
 
     from ..output import GenerationOutput, GenerationStats
 
-    path = refs / _safe(target) / (_safe(ex.id) + ".safetensors") if refs else None
+    path = reference_path(refs, target, ex.id) if refs else None
     if path is not None and path.exists():
         with safe_open(str(path), "pt") as f:
             meta, t = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}

@@ -114,10 +114,10 @@ class StoredChunkIndex:
     finding them in prompts.
 
     Entries are content-addressed (key = f(fingerprint, token ids)) and so never change. The index learns the
-    keys put since it last looked from the store's journal (``KVStore.added_since``), so where the store keeps one
-    (memory, directory, Redis) a query costs what is new, not the size of the store; each key is read once and checked against the fingerprint its metadata
-    names (the key must be that fingerprint's hash of its tokens, and the fingerprint this model's or one of its
-    tenants'). Entries of other models are remembered as foreign and never read twice. Deleted entries are
+    keys put since it last looked from the store's journal (``KVStore.added_since``), so where the store keeps
+    one (memory, directory, Redis) a query costs what is new, not the size of the store; each key is read once
+    and checked against the fingerprint its metadata names (the key must be that fingerprint's hash of its
+    tokens, and the fingerprint this model's or one of its tenants'). Entries of other models are remembered as foreign and never read twice. Deleted entries are
     forgotten at the next full listing (every ``resync_s``); until then a deleted entry is a store miss at blend
     time, recomputed like any other.
     """
