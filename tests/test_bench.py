@@ -393,3 +393,29 @@ def test_budget_path_spends_the_budget_step_by_step_and_one_whole_step_is_full_p
     assert settled(path, 0.01)["r"] == 0.2 and settled(path, 0.0)["r"] == 0.3
     whole = budget_path(engine, tokens, full, step=1.0, upto=1.0)
     assert len(whole) == 2 and whole[0]["kl"] == steps[0]["kl"] and whole[1]["kl"] < 1e-4 and whole[1]["top1"] == 1.0
+
+
+def test_selection_bounds_oracles_see_full_prefill_and_recomputing_everything_is_exact(smollm2):
+    """The oracles score from full prefill's KV: the deviation is zero outside the chunks' reused tokens, and at
+    r = 1 every scorer recomputes every chunk token, which is full prefill."""
+    from speccache_rag import RAGPrompt
+    from speccache_rag.bench.methods import BenchEngine
+    from speccache_rag.bench.selection_bounds import SCORERS, bounds, summary
+    from speccache_rag.prompt import render
+
+    engine = BenchEngine(*smollm2, store="memory://")
+    prompt = RAGPrompt(chunks=["Company Alba was founded by Ivo Renn in 1950 in the port town of Sella.",
+                               "Ivo Renn was born in Kestrel, a village north of Sella, and studied law there."],
+                       question="Where was the founder of Alba born?")
+    engine.precompute(prompt.chunks)
+    row = bounds(engine, render(prompt, engine.tokenizer), [0.3, 1.0])
+    assert row["reuse"]["kl"] > 1e-3
+    assert {k.split("@")[0] for k in row if k != "reuse"} == set(SCORERS)
+    for name in SCORERS:
+        assert row[f"{name}@1.0"]["kl"] < 1e-4 and row[f"{name}@1.0"]["top1"] == 1.0
+        assert row[f"{name}@0.3"]["kl"] != row["reuse"]["kl"]
+    lines = summary([row, row])
+    wins = int(row["impact@0.3"]["kl"] < row["qattn@0.3"]["kl"])
+    losses = int(row["impact@0.3"]["kl"] > row["qattn@0.3"]["kl"])
+    assert lines[0].startswith("2 questions") and any(line.startswith("| impact@0.3 |")
+                                                      and f"{2 * wins}/{2 * losses}" in line for line in lines)

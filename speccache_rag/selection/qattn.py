@@ -37,12 +37,17 @@ class QuestionAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
         if layer not in self.layers or self.rows.numel() == 0:
             return
+        p = self.attention(q, k)
+        self.scores[: k.shape[1]] += (p.amax(0) if self.heads == "max" else p.mean(0)) / len(self.layers)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """One layer's queries [H, S, D] and keys [KVH, T, D] → each head's attention over the keys, mean over
+        the question rows [H, T]."""
         q = q[:, self.rows].float()                                          # [H, Q, D]
         k = k.float().repeat_interleave(q.shape[0] // k.shape[0], dim=0)      # [H, T, D]
         att = (q @ k.transpose(1, 2)) * self.scale                            # [H, Q, T]
         att = att.masked_fill(torch.arange(k.shape[1], device=k.device)[None, :] > self.row_pos[:, None], float("-inf"))
-        p = att.softmax(-1).mean(dim=1)                                       # [H, T]
-        self.scores[: k.shape[1]] += (p.amax(0) if self.heads == "max" else p.mean(0)) / len(self.layers)
+        return att.softmax(-1).mean(dim=1)
 
 
 def pool(scores: torch.Tensor, window: int) -> torch.Tensor:
