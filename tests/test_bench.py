@@ -414,7 +414,7 @@ def test_selection_bounds_oracles_see_full_prefill_and_recomputing_everything_is
     for name in SCORERS:
         assert row[f"{name}@1.0"]["kl"] < 1e-4 and row[f"{name}@1.0"]["top1"] == 1.0
         assert row[f"{name}@0.3"]["kl"] != row["reuse"]["kl"]
-    lines = summary([row, row])
+    lines = summary([{"example": "a", **row}, row])
     wins = int(row["impact@0.3"]["kl"] < row["qattn@0.3"]["kl"])
     losses = int(row["impact@0.3"]["kl"] > row["qattn@0.3"]["kl"])
     assert lines[0].startswith("2 questions") and any(line.startswith("| impact@0.3 |")

@@ -12,7 +12,9 @@ over the *true* KV, and how far each reused chunk token's values are from the tr
 - ``impact``: over every layer and head, the question's true attention × ‖V − V_full‖: how far a stale token
   moves the question's attention output;
 - ``impact-stale``: the same with the question's attention over the stale KV (only the deviation is an oracle);
-- ``vnorm``: the question's stale attention × ‖V‖ over every layer and head (value-aware, query-time only).
+- ``vnorm``: the question's stale attention × ‖V‖ over every layer and head (value-aware, query-time only);
+- ``both``: ``qattn``'s score plus ``attn``'s, each summing to one: the tokens the stale KV draws the question to
+  and those the true KV would (``attn`` alone misses the first kind).
 
 Each recomputes its chosen tokens and the question; first-token KL(full ‖ m), top-1, and the share of reuse's KL
 (nothing recomputed) closed. Chunks are the plain entries (computed here when ``--kv-store`` lacks them).
@@ -34,7 +36,7 @@ from ..selection.qattn import QuestionAttention, question_start, scored_layers
 from .metrics import first_token_fidelity, mean
 from .report_paired import sign_test_p
 
-SCORERS = ("qattn", "attn", "dev", "impact", "impact-stale", "vnorm")
+SCORERS = ("qattn", "attn", "dev", "impact", "impact-stale", "vnorm", "both")
 
 
 class PerLayerAttention(QuestionAttention):
@@ -63,8 +65,8 @@ def value_weighted(att: dict[int, torch.Tensor], values: torch.Tensor, n: int) -
 
 
 @torch.inference_mode()
-def bounds(engine, tokens: TokenizedPrompt, ratios: list[float]) -> dict:
-    """One prompt: every scorer at every ratio → {"reuse": fidelity, "<scorer>@<r>": fidelity}."""
+def bounds(engine, tokens: TokenizedPrompt, ratios: list[float], scorers: tuple[str, ...] = SCORERS) -> dict:
+    """One prompt: each scorer at every ratio → {"reuse": fidelity, "<scorer>@<r>": fidelity}."""
     ops, n = engine.ops, len(tokens)
     everything = torch.arange(n, device=ops.device)
     truth = PerLayerAttention(ops, tokens, everything)
@@ -80,19 +82,24 @@ def bounds(engine, tokens: TokenizedPrompt, ratios: list[float]) -> dict:
     deep = scored_layers(ops.num_layers, ReuseConfig().qattn_layers)
     error = full.v.float() - stale.v.float()
     rel = (error.pow(2).sum((1, 3)).sqrt() / full.v.float().pow(2).sum((1, 3)).sqrt().clamp_min(1e-6)).mean(0)
+    candidates = reusable.nonzero().flatten()
+    true_attn = sum(truth.by_layer[i].mean(0) for i in deep).cpu()
+    stale_attn = sum(first.by_layer[i].mean(0) for i in deep).cpu()
+    cand = candidates.cpu()
     scores = {
-        "attn": sum(truth.by_layer[i].mean(0) for i in deep).cpu() / len(deep),
+        "attn": true_attn,
         "dev": rel.cpu(),
         "impact": value_weighted(truth.by_layer, error, n),
         "impact-stale": value_weighted(first.by_layer, error, n),
         "vnorm": value_weighted(first.by_layer, reused.v, n),
+        "both": stale_attn / stale_attn[cand].sum() + true_attn / true_attn[cand].sum(),
     }
-    candidates = reusable.nonzero().flatten()
+    scores = {k: v for k, v in scores.items() if k in scorers}
     for r in ratios:
         budget = budget_for(r, candidates.numel())
         cfg = ReuseConfig(recompute_ratio=r)
         logits, _ = SELECTORS["qattn"](ops, _copy(stale), Selection(tokens, reusable, budget, cfg), always)
-        row[f"qattn@{r}"] = first_token_fidelity(full_logits, logits)
+        row[f"qattn@{r}"] = first_token_fidelity(full_logits, logits)   # the baseline: always run
         for name, s in scores.items():
             chosen = top_positions(s.to(ops.device), candidates, budget)
             again = torch.cat([chosen, always]).unique()
@@ -105,7 +112,7 @@ def summary(rows: list[dict]) -> list[str]:
     reuse = mean([r["reuse"]["kl"] for r in rows])
     lines = [f"{len(rows)} questions, reuse KL {reuse:.3f}",
              "| scorer | KL(full ‖ m) | KL gap closed | top-1 | KL vs qattn, W/L (sign p) |", "|---|---:|---:|---:|---:|"]
-    for name in (k for k in rows[0] if k != "reuse"):
+    for name in (k for k, v in rows[0].items() if k != "reuse" and isinstance(v, dict)):
         kl = mean([r[name]["kl"] for r in rows])
         base = "qattn@" + name.split("@")[1]
         w = sum(r[name]["kl"] < r[base]["kl"] for r in rows)
@@ -124,6 +131,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--questions", type=int, default=20)
     p.add_argument("--skip", type=int, default=0, help="start after this many questions")
     p.add_argument("--ratios", default="0.15")
+    p.add_argument("--scorers", default=",".join(SCORERS), help="default: %(default)s")
     p.add_argument("--passages", type=int, default=None, help="passages per question (default: the suite's)")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
@@ -135,6 +143,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.passages is not None:
         suite = suite.replace(passages=args.passages)
     ratios = [float(r) for r in args.ratios.split(",")]
+    scorers = tuple(args.scorers.split(","))
+    if unknown := set(scorers) - set(SCORERS):
+        raise SystemExit(f"unknown scorers {sorted(unknown)}; known: {', '.join(SCORERS)}")
     engine = SpecCacheEngine.from_pretrained(args.target, store=args.kv_store, gate=False, warm_up=False,
                                              threads=args.threads)
     rows = []
@@ -142,7 +153,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for ex in examples[args.skip:]:
         prompt = _prompt(suite, ex)
         engine.precompute(prompt.chunks)
-        row = {"example": ex.id, **bounds(engine, render(prompt, engine.tokenizer), ratios)}
+        row = {"example": ex.id, **bounds(engine, render(prompt, engine.tokenizer), ratios, scorers)}
         print(json.dumps(row), flush=True)
         rows.append(row)
     print("\n".join(summary(rows)))
