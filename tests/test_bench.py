@@ -255,6 +255,12 @@ def test_bench_musique_suite_reads_passages_and_a_resume_pays_only_for_new_metho
     md = (out / "report.md").read_text()
     assert "the first 2 rows, the first 6 passages of each as one chunk" in md and "five words" in md
 
+    monkeypatch.undo()
+    later = tmp_path / "later"                      # --skip: the next prompts only, for a larger paired sample
+    argv[argv.index(str(out))], argv[-1] = str(later), "full,reuse"
+    assert main([*argv, "--skip", "1"]) == 0
+    assert {json.loads(line)["example"] for line in (later / "results.jsonl").read_text().splitlines()} == {"qB"}
+
 
 def test_bench_ttft_suite_times_every_method_in_both_dtypes(tmp_path):
     """`bench --suite ttft`, shrunk: one process, both dtypes in the same rounds, ratios to full in each."""

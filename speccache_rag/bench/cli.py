@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="quality (scores, fidelity, agreement) and/or ttft (timings); default: both")
     p.add_argument("--shard", default="0/1", metavar="K/N",
                    help="only prompts with index K mod N: N processes with the same --out and --resume split a suite")
+    p.add_argument("--skip", type=int, default=0, metavar="N",
+                   help="leave out each target's first N prompts (new prompts for a sample an earlier run measured)")
     p.add_argument("--sink", default=None, choices=SINK_POLICIES,
                    help="chunk-KV policy: bos (default), prefix (behind the shared template prefix) or none")
     p.add_argument("--passages", type=int, default=None, metavar="N",
@@ -155,7 +157,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         path = run_suite(suite, out, resume=args.resume, fresh=args.fresh, progress=not args.no_progress,
                          loader=partial(load, dtype=dtypes[0]),
                          longbench=args.longbench, stages=tuple(_csv(args.stages)), shard=_shard(args.shard),
-                         command=getattr(args, "command", None), kv_store=args.kv_store)
+                         skip=args.skip, command=getattr(args, "command", None), kv_store=args.kv_store)
     print(f"report: {path}")
     return 0
 

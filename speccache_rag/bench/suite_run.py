@@ -295,18 +295,21 @@ def _check_same_prompts(before: dict, now: dict, longbench_before: str | None, l
 
 def run_suite(suite: Suite, out: str | Path, resume: bool = False, fresh: bool = False, progress: bool = True,
               longbench: str | None = None, loader: Callable | None = None, report: bool = True,
-              stages: tuple[str, ...] = STAGES, shard: tuple[int, int] = (0, 1), command: str | None = None,
+              stages: tuple[str, ...] = STAGES, shard: tuple[int, int] = (0, 1), skip: int = 0, command: str | None = None,
               kv_store: str | None = None) -> Path:
     """Run (or resume) ``suite`` into ``out``; returns the report's path (or the results' if report=False).
 
     ``stages``: "quality" (scores, fidelity, agreement) and/or "ttft" (interleaved timings).
     ``shard=(k, n)``: only prompts whose index is k mod n (run n processes on one ``out`` to split a suite).
+    ``skip``: leave out the first ``skip`` prompts (to add new prompts to a sample an earlier run measured).
     ``command``: how this run was invoked, for suite.json (default: this process's argv).
     ``kv_store``: a store that keeps the chunk KV between runs (then full-prefill references are kept in
     ``out/refs``), so resuming with new methods costs those methods only."""
     k_shard, n_shard = shard
     if not 0 <= k_shard < n_shard:
         raise ValueError(f"shard must be K/N with 0 <= K < N, got {k_shard}/{n_shard}")
+    if skip < 0:
+        raise ValueError(f"skip must be >= 0, got {skip}")
     from tqdm.auto import tqdm
 
     suite.validate()
@@ -330,7 +333,7 @@ def run_suite(suite: Suite, out: str | Path, resume: bool = False, fresh: bool =
         _check_same_prompts(before["suite"], asdict(suite), before.get("longbench"), longbench)
         parts = before.get("parts", [])
     parts.append({"command": env["command"], "date": env["date"], "stages": list(stages),
-                  "shard": f"{k_shard}/{n_shard}", "torch_threads": env["torch_threads"]})
+                  "shard": f"{k_shard}/{n_shard}", "skip": skip, "torch_threads": env["torch_threads"]})
     meta = {"suite": asdict(suite), "environment": env, "longbench": longbench, "parts": parts}
     (out / SUITE_FILE).write_text(json.dumps(meta, indent=2))
     done = {row_key(r) for r in read_rows(results)}
@@ -345,10 +348,10 @@ def run_suite(suite: Suite, out: str | Path, resume: bool = False, fresh: bool =
             examples = _examples(suite, ttok, longbench)
             plan = [(ex, list(dict.fromkeys(list(suite.methods) + (list(suite.sweep_methods)
                                                                    if i < suite.sweep_examples else []))))
-                    for i, ex in enumerate(examples) if i % n_shard == k_shard] if "quality" in stages else []
+                    for i, ex in enumerate(examples) if i >= skip and i % n_shard == k_shard] if "quality" in stages else []
             timed = (_examples(suite, ttok, longbench, ttft=True)
                      if suite.ttft_methods and suite.ttft_examples and "ttft" in stages else [])
-            timed = [ex for i, ex in enumerate(timed) if i % n_shard == k_shard]
+            timed = [ex for i, ex in enumerate(timed) if i >= skip and i % n_shard == k_shard]
             if not any(any(_quality_todo(suite, (target, d), ex, ms, done)) for ex, ms in plan for d in draft_names) \
                     and not any(key not in done for ex in timed
                                 for key, *_ in _timed_runs(suite, target, draft_names, ex)):
