@@ -260,6 +260,7 @@ def test_bench_musique_suite_reads_passages_and_a_resume_pays_only_for_new_metho
     argv[argv.index(str(out))], argv[-1] = str(later), "full,reuse"
     assert main([*argv, "--skip", "1"]) == 0
     assert {json.loads(line)["example"] for line in (later / "results.jsonl").read_text().splitlines()} == {"qB"}
+    assert "rows 2–2 (--skip 1)" in (later / "report.md").read_text()
 
 
 def test_bench_ttft_suite_times_every_method_in_both_dtypes(tmp_path):

@@ -39,7 +39,10 @@ def _prompt_lines(meta: dict, suite: dict, env: dict) -> list[str]:
                + (f"; system message {suite['system']!r}" if suite.get("system") else ""))
     if meta.get("longbench"):
         chunks = f"the first {suite['passages']} passages" if suite.get("passages") else "every passage"
-        return [f"- prompts: LongBench file {meta['longbench']} — the first {suite['n_per_task']} rows, "
+        skip = min((part.get("skip", 0) for part in meta.get("parts") or []), default=0)
+        rows = (f"rows {skip + 1}–{suite['n_per_task']} (--skip {skip})" if skip
+                else f"the first {suite['n_per_task']} rows")
+        return [f"- prompts: LongBench file {meta['longbench']} — {rows}, "
                 f"{chunks} of each as one chunk; {answers}"]
     return [f"- prompts: synthetic — {suite['n_per_task']} per task × {', '.join(suite['tasks'])}; "
             f"{suite['n_chunks']} chunks × ~{suite['chunk_tokens']} target tokens; {answers}",

@@ -295,8 +295,8 @@ def _check_same_prompts(before: dict, now: dict, longbench_before: str | None, l
 
 def run_suite(suite: Suite, out: str | Path, resume: bool = False, fresh: bool = False, progress: bool = True,
               longbench: str | None = None, loader: Callable | None = None, report: bool = True,
-              stages: tuple[str, ...] = STAGES, shard: tuple[int, int] = (0, 1), skip: int = 0, command: str | None = None,
-              kv_store: str | None = None) -> Path:
+              stages: tuple[str, ...] = STAGES, shard: tuple[int, int] = (0, 1), skip: int = 0,
+              command: str | None = None, kv_store: str | None = None) -> Path:
     """Run (or resume) ``suite`` into ``out``; returns the report's path (or the results' if report=False).
 
     ``stages``: "quality" (scores, fidelity, agreement) and/or "ttft" (interleaved timings).
@@ -310,6 +310,9 @@ def run_suite(suite: Suite, out: str | Path, resume: bool = False, fresh: bool =
         raise ValueError(f"shard must be K/N with 0 <= K < N, got {k_shard}/{n_shard}")
     if skip < 0:
         raise ValueError(f"skip must be >= 0, got {skip}")
+
+    def ours(i: int) -> bool:                              # this shard's prompts, past the skipped ones
+        return i >= skip and i % n_shard == k_shard
     from tqdm.auto import tqdm
 
     suite.validate()
@@ -348,10 +351,10 @@ def run_suite(suite: Suite, out: str | Path, resume: bool = False, fresh: bool =
             examples = _examples(suite, ttok, longbench)
             plan = [(ex, list(dict.fromkeys(list(suite.methods) + (list(suite.sweep_methods)
                                                                    if i < suite.sweep_examples else []))))
-                    for i, ex in enumerate(examples) if i >= skip and i % n_shard == k_shard] if "quality" in stages else []
+                    for i, ex in enumerate(examples) if ours(i)] if "quality" in stages else []
             timed = (_examples(suite, ttok, longbench, ttft=True)
                      if suite.ttft_methods and suite.ttft_examples and "ttft" in stages else [])
-            timed = [ex for i, ex in enumerate(timed) if i >= skip and i % n_shard == k_shard]
+            timed = [ex for i, ex in enumerate(timed) if ours(i)]
             if not any(any(_quality_todo(suite, (target, d), ex, ms, done)) for ex, ms in plan for d in draft_names) \
                     and not any(key not in done for ex in timed
                                 for key, *_ in _timed_runs(suite, target, draft_names, ex)):
