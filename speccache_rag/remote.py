@@ -85,19 +85,17 @@ class RemoteEngine(Engine):
         chunks are shared with requests of the same salt only; a call's ``cache_salt=`` overrides it."""
         self.cache_salt = check_salt(cache_salt)
         openai = _openai()
-        import httpx
-
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be an http(s) URL such as http://localhost:8000/v1, got {base_url!r}")
         self.base_url = base_url.rstrip("/")
         self._root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
-        http_timeout = httpx.Timeout(timeout, connect=min(10.0, timeout))
+        # openai's own Timeout: the HTTP library under it changes between releases (httpx, then httpx2)
+        http_timeout = openai.Timeout(timeout, connect=min(10.0, timeout))
         kw = dict(base_url=self.base_url, api_key=api_key or "EMPTY", timeout=http_timeout, max_retries=max_retries)
         self.client = openai.OpenAI(**kw)
         self._client_kw = kw
         # an async client's connections belong to one event loop (asyncio.run makes a new one each time)
         self._aclients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._api_key, self._timeout = api_key, http_timeout
         if isinstance(store, str):
             from .store import open_store
 
@@ -199,16 +197,9 @@ class RemoteEngine(Engine):
 
     def tokenize(self, text: str) -> list[int]:
         """The server tokenizer's ids for one piece of text (no special tokens), as chunks are stored."""
-        import httpx
-
-        try:
-            r = httpx.post(f"{self._root}/tokenize", timeout=self._timeout,
-                           headers={"Authorization": f"Bearer {self._api_key or 'EMPTY'}"},
-                           json={"model": self.name, "prompt": text, "add_special_tokens": False})
-        except httpx.TransportError as e:
-            raise self._unreachable(e) from e
-        r.raise_for_status()
-        return list(r.json()["tokens"])
+        # /tokenize sits beside /v1; the client's post takes the absolute URL with its auth and timeout
+        body = {"model": self.name, "prompt": text, "add_special_tokens": False}
+        return list(self._call(self.client.post, f"{self._root}/tokenize", cast_to=object, body=body)["tokens"])
 
     # ---- ingestion ---------------------------------------------------------------------------------
     def precompute(self, texts: Iterable[str], progress: bool = False, cache_salt: str | None = None) -> list[str]:
