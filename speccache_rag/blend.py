@@ -133,10 +133,6 @@ class Blender:
         t = time.perf_counter()
         reusable, missed = self.load(tokens, cache, stats, keys, reuse.neighbors)
         stats.load_s = time.perf_counter() - t
-        if reuse.stale_temperature != 1.0:
-            # APE's temperature on parallel-encoded context, as scaled keys: a recomputed token overwrites its
-            # own, so only the KV left stale keeps it, and every later query reads it through the one attention
-            cache.k[:, :, reusable.nonzero().flatten()] /= reuse.stale_temperature
         draft, draft_tokenizer = self.draft() if reuse.method in DRAFT_METHODS and self.draft else (None, None)
         sel = Selection(tokens, reusable, budget_for(reuse.recompute_ratio, int(reusable.sum()), reuse), reuse,
                         prompt=prompt, draft=draft, draft_tokenizer=draft_tokenizer, hidden_states=self.hidden_states,

@@ -66,7 +66,6 @@ class ReuseConfig:
     qattn_rounds: int = 1               # qattn: the budget in n parts, each re-scored over the repaired KV
     qattn_rows: int = 0                 # qattn: score with the question's last k rows only (0: every row)
     neighbors: str = "preceding"        # which stored variant of a chunk to read (neighbors.py)
-    stale_temperature: float = 1.0      # logits over never-recomputed chunk keys divided by this (APE)
     seed: int = 0                       # for "random"
 
     def __post_init__(self):
@@ -102,8 +101,6 @@ class ReuseConfig:
             raise ValueError(f"need qattn_pool >= 1 and qattn_sink >= 0, got {self.qattn_pool}, {self.qattn_sink}")
         if self.qattn_heads not in ("mean", "max"):
             raise ValueError(f"qattn_heads must be 'mean' or 'max', got {self.qattn_heads!r}")
-        if not self.stale_temperature > 0:
-            raise ValueError(f"stale_temperature must be > 0, got {self.stale_temperature!r}")
         if self.neighbors not in NEIGHBOR_POLICIES:
             raise ValueError(f"neighbors must be one of {', '.join(NEIGHBOR_POLICIES)}, got {self.neighbors!r}")
         if self.tau_smooth < 0 or not 0.0 <= self.tau_cover <= 1.0 or self.max_span < 1:
