@@ -94,12 +94,15 @@ class SpecCacheEngine(Engine):
 
     # ---- ingestion ------------------------------------------------------------------------------
     def precompute(self, texts: Iterable[str], progress: bool = False,
-                   context: Sequence[Sequence[str]] | None = None, cache_salt: str | None = None) -> list[str]:
+                   context: Sequence[Sequence[str]] | None = None, cache_salt: str | None = None,
+                   singles: bool = False) -> list[str]:
         """Compute and store the KV of each chunk text (idempotent); returns their (plain) keys in order.
 
         context: for each text, the texts to prefill it after as well — its nearest neighbours in the
         corpus (``neighbors.nearest`` over the ingestion embeddings) — stored as a variant beside the plain
         entry; queries that retrieve those neighbours too read the variant (``ReuseConfig.neighbors``).
+        singles: where a text has several, also one variant after each alone, so that a prompt which
+        retrieved only some of them ahead of the chunk still finds one it may read.
         cache_salt: the tenant the chunks are stored for (only requests with the same salt reuse them)."""
         from tqdm.auto import tqdm
 
@@ -113,7 +116,9 @@ class SpecCacheEngine(Engine):
             self.check_chunk_fits(len(ids), len(blender.sink_ids))
             key, _ = blender.ensure_stored(ids, text)
             if context is not None and context[i]:
-                self._precompute_variant(blender, ids, key, text, list(context[i]))
+                ctx = list(context[i])
+                for variant in [ctx] + ([[c] for c in ctx] if singles and len(ctx) > 1 else []):
+                    self._precompute_variant(blender, ids, key, text, variant)
             keys.append(key)
         return keys
 

@@ -134,6 +134,8 @@ def test_suites_are_valid():
     assert paper.n_per_task >= 30 and {d for _, d in paper.pairs} == {"qwen2.5-coder-0.5b", "smollm2-135m"}
     with pytest.raises(ValueError):
         get_suite("quick").replace(ttft_methods=["reuse"])
+    with pytest.raises(ValueError, match="singles needs neighbors >= 2"):
+        get_suite("musique").replace(neighbors=1, singles=True)
 
 
 # ---- the real thing ------------------------------------------------------------------------------

@@ -107,6 +107,24 @@ def test_a_query_reads_variants_only_where_it_retrieved_their_neighbours(engine)
     assert near.stats.context_variants == 3
 
 
+def test_singles_give_a_prompt_with_part_of_the_context_ahead_a_variant_to_read(smollm2, engine):
+    model, tok = smollm2
+    eng = SpecCacheEngine(model, tok, store="memory://", gate=False, warm_up=False)
+    eng.precompute(CHUNKS, context=CONTEXT, singles=True)
+    # chunks 0 and 2 have two neighbours: the pair and each alone; chunks 1 and 3 one, stored once
+    assert verify(eng.store).checked == len(CHUNKS) + 3 + 1 + 3 + 1
+    assert [len(v["context"]) for v in variants(eng.store, eng.precompute(CHUNKS[:1])[0])] == [2, 1, 1]
+    # chunk 0 has only chunk 1 of its pair ahead: a single fits; chunk 2 has its whole pair ahead
+    prompt = RAGPrompt(chunks=[CHUNKS[1], CHUNKS[0], CHUNKS[3], CHUNKS[2]], question=QUESTION)
+    pairs_only = engine.generate(prompt, max_new_tokens=1, reuse=ReuseConfig(method="reuse"))
+    assert pairs_only.stats.context_variants == 1
+    full = eng.generate(prompt, max_new_tokens=8, reuse=ReuseConfig(method="full"), return_first_logits=True)
+    out = eng.generate(prompt, max_new_tokens=8, return_first_logits=True, reuse=ReuseConfig(recompute_ratio=1.0))
+    assert out.stats.context_variants == 2
+    torch.testing.assert_close(out.first_logits, full.first_logits, **LOGIT_TOL[torch.float32])
+    assert out.token_ids == full.token_ids
+
+
 def test_a_lost_variant_falls_back_to_the_plain_entry(smollm2):
     model, tok = smollm2
     eng = SpecCacheEngine(model, tok, store="memory://", gate=False, warm_up=False)

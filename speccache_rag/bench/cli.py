@@ -62,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--neighbors", type=int, default=None, metavar="K",
                    help="LongBench suites: also store each chunk's KV prefilled after its K nearest passages of the "
                         "file (all-MiniLM-L6-v2), the FusionRAG variant that ReuseConfig.neighbors reads")
+    p.add_argument("--singles", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --neighbors K > 1: also a variant after each neighbour alone (precompute(singles=True))")
     p.add_argument("--targets", default=None, help="offload suite: comma-separated target models")
     p.add_argument("--contexts", default=None, help="offload suite: prompt lengths in tokens (default: 4096,8192)")
     p.add_argument("--kv-store", default=None, metavar="STORE",
@@ -80,7 +82,7 @@ def suite_from_args(args: argparse.Namespace) -> Suite:
         n_per_task=args.per_task, n_chunks=args.chunks, chunk_tokens=args.bench_chunk_tokens,
         ttft_examples=args.ttft_prompts if ttft != [] else 0, ttft_reps=args.reps,
         max_new_tokens=args.bench_max_new_tokens, sweep_examples=args.sweep_prompts, sink=args.sink,
-        neighbors=args.neighbors, passages=args.passages)
+        neighbors=args.neighbors, singles=args.singles, passages=args.passages)
 
 
 def _pairs(text: str) -> list[tuple[str, str]]:

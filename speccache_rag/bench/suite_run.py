@@ -170,7 +170,7 @@ def quality_example(engine: BenchEngine, suite: Suite, target: str, drafts: list
         return
     prompt = _prompt(suite, ex)
     tokens = render(prompt, engine.tokenizer)
-    _precompute(engine, ex, context)
+    _precompute(engine, suite, ex, context)
     with engine.memoized():
         ref, ref_wall = _reference(engine, suite, target, ex, prompt, refs)
         for draft, dmodel, dtok, todo, want_agree in plans:
@@ -220,7 +220,7 @@ def timing_example(engine: BenchEngine, suite: Suite, target: str, drafts: list[
         return
     prompt = _prompt(suite, ex)
     tokens = render(prompt, engine.tokenizer)
-    _precompute(engine, ex, context)
+    _precompute(engine, suite, ex, context)
     fams = {spec.family for _, spec, _ in runs}
     if "static" in fams:
         for _, dmodel, dtok in drafts:
@@ -250,9 +250,10 @@ def timing_example(engine: BenchEngine, suite: Suite, target: str, drafts: list[
     engine.forget_draft()
 
 
-def _precompute(engine: BenchEngine, ex: Example, context: dict[str, list[str]] | None) -> None:
+def _precompute(engine: BenchEngine, suite: Suite, ex: Example, context: dict[str, list[str]] | None) -> None:
     """The prompt's chunks, and with ``context`` their variants after their corpus neighbours too."""
-    engine.precompute(ex.chunks, context=[context[c] for c in ex.chunks] if context else None)
+    engine.precompute(ex.chunks, context=[context[c] for c in ex.chunks] if context else None,
+                      singles=suite.singles)
 
 
 def _prompt(suite: Suite, ex: Example) -> RAGPrompt:
@@ -280,8 +281,8 @@ STAGES = ("quality", "ttft")
 # What makes prompt i, its answers and its timings what they are: a resumed run must not change these,
 # or its rows would sit beside rows of other prompts under the same example id.
 SAME_ON_RESUME = ("n_chunks", "chunk_tokens", "seed", "max_new_tokens", "stop", "ttft_n_chunks", "ttft_chunk_tokens",
-                  "ttft_reps", "ttft_warmup", "sink", "system", "passages", "neighbors")
-_BEFORE_DEFAULTS = {"sink": "bos", "neighbors": 0}          # results written before the field existed
+                  "ttft_reps", "ttft_warmup", "sink", "system", "passages", "neighbors", "singles")
+_BEFORE_DEFAULTS = {"sink": "bos", "neighbors": 0, "singles": False}          # results written before the field existed
 
 
 def _check_same_prompts(before: dict, now: dict, longbench_before: str | None, longbench_now: str | None) -> None:

@@ -51,6 +51,7 @@ class Suite:
     longbench: str | None = None                 # a LongBench JSONL file this suite reads (--longbench overrides)
     passages: int | None = None                  # LongBench: the first N passages of each row (None: all)
     neighbors: int = 0                           # LongBench: chunks also stored after their k nearest passages
+    singles: bool = False                        # … and after each of them alone (``precompute(singles=)``)
 
     def validate(self) -> "Suite":
         from .methods import parse_method
@@ -61,6 +62,8 @@ class Suite:
             raise ValueError("ttft_methods must include 'full' (ratios are to full, in the same run)")
         if self.neighbors < 0:
             raise ValueError(f"neighbors must be >= 0, got {self.neighbors}")
+        if self.singles and self.neighbors < 2:
+            raise ValueError("singles needs neighbors >= 2 (with one neighbour the variant is already a single)")
         if self.ttft_reps < 1 or self.n_per_task < 1:
             raise ValueError("need ttft_reps >= 1 and n_per_task >= 1")
         return self
