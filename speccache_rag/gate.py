@@ -22,13 +22,20 @@ from .output import GenerationStats
 from .prompt import RAGPrompt, render, tokenize_piece
 from .runner import KVCache
 
-GATE_VERSION = 1
+GATE_VERSION = 2          # 2: bfloat16 compared as distributions (a verdict of 1 may be a false failure)
 CHUNKS = ("The lighthouse on Varrow Point was built in 1887 and its keeper, Odile Marsh, kept a log of every ship.",
           "Varrow Point's ferry leaves twice a day; in winter the afternoon crossing is cancelled when fog sets in.")
 QUESTION = "Who kept the log at the lighthouse, and when was it built?"
-# Recomputing every position runs full prefill's kernels: the gap is summation order at most. float32 sees
-# ~1e-5; bfloat16 keeps 8 mantissa bits, so logits of magnitude ~20 may move by a few 1e-2.
-LOGIT_TOL = {torch.float32: dict(atol=1e-3, rtol=1e-4), torch.bfloat16: dict(atol=0.15, rtol=0.02)}
+# What "reproduces full prefill" means, by compute dtype. float32: elementwise; recomputing every position
+# runs full prefill's kernels, so the gap is summation order at most (~1e-5). bfloat16 keeps 8 mantissa bits:
+# a run that is not bitwise full prefill's own (another kernel, alignment or thread split, as on CPUs with
+# native bf16) already moves SmolLM2's logits by up to 0.7 and each layer's K/V by 4 % of its largest entry
+# (measured: one-ulp noise on the embeddings; KL <= 4e-3 on templated prompts, 2e-2 on raw text), so there
+# the first-token distributions (same top-1, KL(full || m) <= 0.03) and each layer's K/V as a whole (<= 10 %
+# of its largest entry) are compared. That still catches what the gate is for, a runner that gets a model
+# wrong (reuse without recompute: KL 0.09-0.13, 26-68 % of a layer's K/V at r <= 0.9); float32 is exact.
+FP32_TOL = dict(atol=1e-3, rtol=1e-4)
+BF16_MAX_KL, BF16_KV_REL = 0.03, 0.10
 # "reuse" recomputes nothing at any ratio; "full" is the reference.
 CHECKED = tuple(m for m in METHODS if m not in ("full", "reuse"))
 
@@ -78,21 +85,50 @@ def remembered(store, fingerprint: str, backend: str) -> list[str] | None:
 
 
 def failing_methods(blender, tokenizer) -> list[str]:
-    """The methods whose r = 1 first-token logits differ from full prefill's on the built-in prompt."""
+    """The methods whose r = 1 first-token logits (or, where the engine has none, KV) differ from full
+    prefill's on the built-in prompt."""
     run = probe(blender, tokenizer)
     full_logits, full_cache = run("full", 1.0)
-    tol = LOGIT_TOL.get(blender.ops.dtype, LOGIT_TOL[torch.bfloat16])
     failed = []
     for method in CHECKED:
         logits, cache = run(method, 1.0)
         if full_logits is not None:
-            ok = int(logits.argmax()) == int(full_logits.argmax()) and torch.allclose(logits, full_logits, **tol)
+            wrong = logits_mismatch(logits, full_logits, blender.ops.dtype)
         else:   # an engine that samples the last token itself (vLLM): the prompt's whole KV must match
-            ok = all(torch.allclose(a.float(), b.float(), **tol)
-                     for a, b in ((cache.k, full_cache.k), (cache.v, full_cache.v)))
-        if not ok:
+            wrong = kv_mismatch(cache, full_cache)
+        if wrong:
             failed.append(method)
     return failed
+
+
+def logits_mismatch(logits: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """How first-token ``logits`` fail to reproduce full prefill's ``ref``, both from a model computing in
+    ``dtype`` (see ``FP32_TOL``), or None."""
+    a, b = logits.float(), ref.float()
+    if int(a.argmax()) != int(b.argmax()):
+        return f"top-1 {int(a.argmax())} instead of {int(b.argmax())}"
+    if dtype == torch.float32:
+        if not torch.allclose(a, b, **FP32_TOL):
+            return f"logits differ by up to {float((a - b).abs().max()):.2e}"
+        return None
+    p, q = b.log_softmax(-1), a.log_softmax(-1)
+    kl = float((p.exp() * (p - q)).sum())
+    return f"KL(full || m) = {kl:.2e} > {BF16_MAX_KL}" if kl > BF16_MAX_KL else None
+
+
+def kv_mismatch(cache: KVCache, ref: KVCache) -> str | None:
+    """How a blended prompt's K/V fail to reproduce full prefill's (see ``FP32_TOL``), or None."""
+    for name, a, b in (("K", cache.k, ref.k), ("V", cache.v, ref.v)):
+        a, b = a.float(), b.float()
+        if ref.k.dtype == torch.float32:
+            if not torch.allclose(a, b, **FP32_TOL):
+                return f"{name} differs by up to {float((a - b).abs().max()):.2e}"
+            continue
+        dims = tuple(range(1, b.ndim))
+        rel = float(((a - b).abs().amax(dim=dims) / b.abs().amax(dim=dims).clamp_min(1e-6)).max())
+        if rel > BF16_KV_REL:
+            return f"{name} differs by {rel:.0%} of a layer's largest entry"
+    return None
 
 
 def probe(blender, tokenizer) -> Callable[[str, float], tuple[torch.Tensor | None, KVCache]]:

@@ -16,7 +16,7 @@ import time
 import torch
 
 from ..config import METHODS, ReuseConfig
-from ..gate import LOGIT_TOL
+from ..gate import logits_mismatch
 from ..prompt import RAGPrompt
 from .metrics import first_token_fidelity, mean, median
 
@@ -48,7 +48,6 @@ def main(argv: list[str] | None = None) -> int:
     prompts = _prompts(engine.tokenizer)
     for prompt in prompts:
         engine.precompute(prompt.chunks)
-    tol = LOGIT_TOL[torch.float32 if engine.dtype == "float32" else torch.bfloat16]
     failures = []
 
     def run(prompt, method, ratio, new=8):
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         full_logits.append(full.first_logits)
         for method in (m for m in METHODS if m not in ("full", "reuse")):
             out = run(prompt, method, 1.0)
-            if out.token_ids != full.token_ids or not torch.allclose(out.first_logits, full.first_logits, **tol):
+            if out.token_ids != full.token_ids or logits_mismatch(out.first_logits, full.first_logits, engine.ops.dtype):
                 failures.append(f"exactness: {method} at r = 1 differs from full prefill")
     print(f"exactness: {len(METHODS) - 2} methods × {len(prompts)} prompts, {len(failures)} failed")
 
