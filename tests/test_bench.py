@@ -348,6 +348,18 @@ def test_paired_permutation_test_of_the_mean():
     assert paired_diffs(rows, "a", "b", "kl", lower_is_better=True) == pytest.approx([0.2, -0.1])
 
 
+def test_same_answer_forgives_spelling_not_a_different_answer():
+    from speccache_rag.bench.report_tables import summarize
+
+    base = {"task": "t", "score": 0.0, "kl": 0.0, "top1": 1.0}
+    rows = [{**base, "method": m, "example": e, "prediction": p, "same_continuation": m == "full"}
+            for m, e, p in [("full", 1, "The Eiffel Tower."), ("full", 2, "1887"), ("full", 3, "Paris\nbecause"),
+                            ("a", 1, "eiffel tower"), ("a", 2, "1888"), ("a", 3, "Paris")]]
+    summary, n = summarize(rows, ["full", "a"])
+    assert n == 3 and summary["a"]["same_answer"] == pytest.approx(2 / 3) and summary["full"]["same_answer"] == 1.0
+    assert summary["a"]["same_continuation"] == 0.0                   # token-exact: none of the three
+
+
 def test_a_suite_method_on_few_prompts_gets_its_own_table_not_a_smaller_headline():
     from speccache_rag.bench.report_tables import tabulated_methods
 

@@ -6,7 +6,7 @@ import math
 from collections import defaultdict
 
 from .methods import parse_method
-from .metrics import geomean, mean
+from .metrics import geomean, mean, normalize_answer
 
 
 def fmt(x, nd: int = 3, pct: bool = False) -> str:
@@ -31,16 +31,25 @@ def _by_method(rows: list[dict], methods: list[str]) -> tuple[dict[str, list[dic
 
 def summarize(rows: list[dict], methods: list[str]) -> tuple[dict[str, dict], int]:
     by, common = _by_method(rows, methods)
+    # full's own answer, normalized as the task scores are: "same answer" forgives a different spelling of
+    # it (case, articles, punctuation, what follows the first line), "same cont." does not
+    full_answer = {r["example"]: _answer(r) for r in by.get("full", [])}
     out = {}
     for m, rs in by.items():
         out[m] = {k: mean([r.get(k) for r in rs]) for k in ("score", "f1", "em", "rougeL", "match", "kl", "top1",
                                                             "cont_rougeL", "recompute_frac")}
         out[m]["same_continuation"] = mean([float(r.get("same_continuation", False)) for r in rs])
+        out[m]["same_answer"] = (mean([float(_answer(r) == full_answer[r["example"]]) for r in rs])
+                                 if full_answer and all("prediction" in r for r in rs) else None)
         out[m]["per_task"] = defaultdict(list)
         for r in rs:
             out[m]["per_task"][r["task"]].append(r["score"])
         out[m]["per_task"] = {t: mean(v) for t, v in out[m]["per_task"].items()}
     return out, len(common)
+
+
+def _answer(row: dict) -> str | None:
+    return normalize_answer(row["prediction"].strip().split("\n")[0]) if "prediction" in row else None
 
 
 def ttft_summary(rows: list[dict]) -> dict[str, dict]:
@@ -74,8 +83,8 @@ def relative(summary: dict, m: str) -> tuple[float | None, float | None, float |
 
 def headline_table(summary: dict, ttft: dict, methods: list[str]) -> list[str]:
     lines = ["| method | recomputed | task score | % of full | normalized | F1 | KL(full ‖ m) | KL gap closed "
-             "| top-1 agree | cont. ROUGE-L | same cont. | TTFT / full | speedup |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| top-1 agree | cont. ROUGE-L | same cont. | same answer | TTFT / full | speedup |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for m in methods:
         if m not in summary:
             continue
@@ -85,7 +94,7 @@ def headline_table(summary: dict, ttft: dict, methods: list[str]) -> list[str]:
         lines.append(f"| {m} | {fmt(s['recompute_frac'], pct=True)} | {fmt(s['score'])} | {fmt(kept, pct=True)} | "
                      f"{fmt(normalized, 2)} | {fmt(s['f1'])} | "
                      f"{fmt(s['kl'], 4)} | {fmt(closed, pct=True)} | {fmt(s['top1'], 2)} | {fmt(s['cont_rougeL'])} | "
-                     f"{fmt(s['same_continuation'], 2)} | {fmt(ratio)} | "
+                     f"{fmt(s['same_continuation'], 2)} | {fmt(s['same_answer'], 2)} | {fmt(ratio)} | "
                      f"{fmt(1 / ratio, 2) + '×' if ratio else '–'} |")
     return lines
 
