@@ -440,3 +440,21 @@ def test_selection_bounds_oracles_see_full_prefill_and_recomputing_everything_is
     losses = int(row["impact@0.3"]["kl"] > row["qattn@0.3"]["kl"])
     assert lines[0].startswith("2 questions") and any(line.startswith("| impact@0.3 |")
                                                       and f"{2 * wins}/{2 * losses}" in line for line in lines)
+
+
+def test_compare_runs_pairs_two_runs_prompt_by_prompt(tmp_path, capsys):
+    from speccache_rag.bench.compare_runs import main
+
+    def run(name, kls):
+        rows = [{"kind": "quality", "target": "t", "draft": None, "example": e, "method": m, "kl": k,
+                 "prediction": p}
+                for e, (kq, p) in enumerate(kls)
+                for m, k, p in (("full", 0.0, "yes"), ("reuse", 1.0, "no"), ("qattn@0.15", kq, p))]
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+        return str(tmp_path / name)
+    a = run("a", [(0.1, "yes"), (0.2, "Yes."), (0.5, "no")])
+    b = run("b", [(0.3, "no"), (0.4, "yes"), (0.4, "yes")])
+    assert main([a, b]) == 0
+    line = [row for row in capsys.readouterr().out.splitlines() if row.startswith("| qattn@0.15")][0]
+    assert "| 3 | 0.2667 | 0.3667 | 73.3 % | 63.3 % | 2/1 (1, " in line and line.endswith("| 2/3 | 2/3 |")

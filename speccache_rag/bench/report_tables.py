@@ -33,13 +33,13 @@ def summarize(rows: list[dict], methods: list[str]) -> tuple[dict[str, dict], in
     by, common = _by_method(rows, methods)
     # full's own answer, normalized as the task scores are: "same answer" forgives a different spelling of
     # it (case, articles, punctuation, what follows the first line), "same cont." does not
-    full_answer = {r["example"]: _answer(r) for r in by.get("full", [])}
+    full_answer = {r["example"]: normalized_answer(r) for r in by.get("full", [])}
     out = {}
     for m, rs in by.items():
         out[m] = {k: mean([r.get(k) for r in rs]) for k in ("score", "f1", "em", "rougeL", "match", "kl", "top1",
                                                             "cont_rougeL", "recompute_frac")}
         out[m]["same_continuation"] = mean([float(r.get("same_continuation", False)) for r in rs])
-        out[m]["same_answer"] = (mean([float(_answer(r) == full_answer[r["example"]]) for r in rs])
+        out[m]["same_answer"] = (mean([float(normalized_answer(r) == full_answer[r["example"]]) for r in rs])
                                  if full_answer and all("prediction" in r for r in rs) else None)
         out[m]["per_task"] = defaultdict(list)
         for r in rs:
@@ -48,7 +48,8 @@ def summarize(rows: list[dict], methods: list[str]) -> tuple[dict[str, dict], in
     return out, len(common)
 
 
-def _answer(row: dict) -> str | None:
+def normalized_answer(row: dict) -> str | None:
+    """A quality row's answer as the task scores normalize it, first line only (None: no prediction kept)."""
     return normalize_answer(row["prediction"].strip().split("\n")[0]) if "prediction" in row else None
 
 
