@@ -56,7 +56,7 @@ def test_choose_by_policy():
 def engine(smollm2):
     model, tok = smollm2
     eng = SpecCacheEngine(model, tok, store="memory://", gate=False, warm_up=False)
-    keys = eng.precompute(CHUNKS, context=CONTEXT)
+    keys = eng.precompute(CHUNKS, context=CONTEXT, singles=False)      # each chunk's whole context only
     assert keys == eng.precompute(CHUNKS)                      # plain keys, idempotent
     return eng
 
@@ -110,7 +110,7 @@ def test_a_query_reads_variants_only_where_it_retrieved_their_neighbours(engine)
 def test_singles_give_a_prompt_with_part_of_the_context_ahead_a_variant_to_read(smollm2, engine):
     model, tok = smollm2
     eng = SpecCacheEngine(model, tok, store="memory://", gate=False, warm_up=False)
-    eng.precompute(CHUNKS, context=CONTEXT, singles=True)
+    eng.precompute(CHUNKS, context=CONTEXT)                             # singles: the default
     # chunks 0 and 2 have two neighbours: the pair and each alone; chunks 1 and 3 one, stored once
     assert verify(eng.store).checked == len(CHUNKS) + 3 + 1 + 3 + 1
     assert [len(v["context"]) for v in variants(eng.store, eng.precompute(CHUNKS[:1])[0])] == [2, 1, 1]
