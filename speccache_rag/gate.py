@@ -95,7 +95,7 @@ def failing_methods(blender, tokenizer) -> list[str]:
         if full_logits is not None:
             wrong = logits_mismatch(logits, full_logits, blender.ops.dtype)
         else:   # an engine that samples the last token itself (vLLM): the prompt's whole KV must match
-            wrong = kv_mismatch(cache, full_cache)
+            wrong = kv_mismatch(cache, full_cache, blender.ops.dtype)
         if wrong:
             failed.append(method)
     return failed
@@ -116,11 +116,12 @@ def logits_mismatch(logits: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype)
     return f"KL(full || m) = {kl:.2e} > {BF16_MAX_KL}" if kl > BF16_MAX_KL else None
 
 
-def kv_mismatch(cache: KVCache, ref: KVCache) -> str | None:
-    """How a blended prompt's K/V fail to reproduce full prefill's (see ``FP32_TOL``), or None."""
+def kv_mismatch(cache: KVCache, ref: KVCache, dtype: torch.dtype) -> str | None:
+    """How a blended prompt's K/V fail to reproduce full prefill's, both from a model computing in ``dtype``
+    (see ``FP32_TOL``), or None."""
     for name, a, b in (("K", cache.k, ref.k), ("V", cache.v, ref.v)):
         a, b = a.float(), b.float()
-        if ref.k.dtype == torch.float32:
+        if dtype == torch.float32:
             if not torch.allclose(a, b, **FP32_TOL):
                 return f"{name} differs by up to {float((a - b).abs().max()):.2e}"
             continue

@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from speccache_rag import RAGPrompt, ReuseConfig, SpecCacheEngine
-from speccache_rag.prompt import render
 from speccache_rag.layers import HFLayers
+from speccache_rag.prompt import render
 from speccache_rag.runner import KVCache, decode_one, full_prefill, prefill
 from tiny_models import tiny_random_model
 
@@ -126,7 +126,7 @@ def test_reuse_without_recompute_measurably_differs(engine, full_out):
                   reduction="sum")
     assert (out.first_logits - full_out.first_logits).abs().max() > 0.1
     assert kl > 1e-3
-    assert logits_mismatch(out.first_logits, full_out.first_logits, engine.ops.dtype) is not None     # the gate would see it
+    assert logits_mismatch(out.first_logits, full_out.first_logits, engine.ops.dtype) is not None   # the gate sees it
 
 
 def test_bfloat16_rounding_noise_still_reproduces_full_prefill(smollm2_bf16):

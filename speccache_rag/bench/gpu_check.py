@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         full_logits.append(full.first_logits)
         for method in (m for m in METHODS if m not in ("full", "reuse")):
             out = run(prompt, method, 1.0)
-            if out.token_ids != full.token_ids or logits_mismatch(out.first_logits, full.first_logits, engine.ops.dtype):
+            wrong = logits_mismatch(out.first_logits, full.first_logits, engine.ops.dtype)
+            if out.token_ids != full.token_ids or wrong:
                 failures.append(f"exactness: {method} at r = 1 differs from full prefill")
     print(f"exactness: {len(METHODS) - 2} methods × {len(prompts)} prompts, {len(failures)} failed")
 
