@@ -101,18 +101,26 @@ def failing_methods(blender, tokenizer) -> list[str]:
     return failed
 
 
+def first_token_fidelity(full_logits: torch.Tensor, logits: torch.Tensor) -> dict[str, float]:
+    """KL(full ‖ method) of the first-token distributions and whether their top-1 tokens agree."""
+    p = torch.log_softmax(full_logits.double(), -1)
+    q = torch.log_softmax(logits.double(), -1)
+    kl = float((p.exp() * (p - q)).sum())
+    return {"kl": max(kl, 0.0), "top1": float(int(full_logits.argmax()) == int(logits.argmax()))}
+
+
 def logits_mismatch(logits: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> str | None:
     """How first-token ``logits`` fail to reproduce full prefill's ``ref``, both from a model computing in
     ``dtype`` (see ``FP32_TOL``), or None."""
-    a, b = logits.float(), ref.float()
-    if int(a.argmax()) != int(b.argmax()):
-        return f"top-1 {int(a.argmax())} instead of {int(b.argmax())}"
+    fidelity = first_token_fidelity(ref, logits)
+    if not fidelity["top1"]:
+        return f"top-1 {int(logits.argmax())} instead of {int(ref.argmax())}"
     if dtype == torch.float32:
+        a, b = logits.float(), ref.float()
         if not torch.allclose(a, b, **FP32_TOL):
             return f"logits differ by up to {float((a - b).abs().max()):.2e}"
         return None
-    p, q = b.log_softmax(-1), a.log_softmax(-1)
-    kl = float((p.exp() * (p - q)).sum())
+    kl = fidelity["kl"]
     return f"KL(full || m) = {kl:.2e} > {BF16_MAX_KL}" if kl > BF16_MAX_KL else None
 
 

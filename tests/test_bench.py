@@ -8,10 +8,11 @@ import torch
 from speccache_rag.bench.data import (TASKS, load_longbench, make_example, prose_paragraphs, split_passages,
                                       synthetic)
 from speccache_rag.bench.methods import parse_method
-from speccache_rag.bench.metrics import (exact_match, f1_score, first_token_fidelity, normalize_answer, rouge_l,
+from speccache_rag.bench.metrics import (exact_match, f1_score, normalize_answer, rouge_l,
                                          string_match, task_scores)
 from speccache_rag.bench.suites import SUITES, SWEEP, get_suite
 from speccache_rag.config import ReuseConfig
+from speccache_rag.gate import first_token_fidelity
 
 
 # ---- metrics -------------------------------------------------------------------------------------

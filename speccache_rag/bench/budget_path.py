@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
+from ..gate import first_token_fidelity
 from ..prompt import TokenizedPrompt, render
 from ..runner import full_prefill, prefill
 from ..selection.base import budget_for
 from ..selection.qattn import second_pass
 from .budget_signals import first_pass
-from .metrics import first_token_fidelity
 
 
 @torch.inference_mode()

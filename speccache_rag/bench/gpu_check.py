@@ -16,9 +16,9 @@ import time
 import torch
 
 from ..config import METHODS, ReuseConfig
-from ..gate import logits_mismatch
+from ..gate import first_token_fidelity, logits_mismatch
 from ..prompt import RAGPrompt
-from .metrics import first_token_fidelity, mean, median
+from .metrics import mean, median
 
 
 def _prompts(tokenizer, n: int = 3, top_k: int = 4) -> list[RAGPrompt]:

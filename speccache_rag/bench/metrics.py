@@ -1,4 +1,5 @@
-"""Task scores (LongBench normalization), fidelity to full prefill, and small statistics helpers."""
+"""Task scores (LongBench normalization) and small statistics helpers (fidelity to full prefill is
+``gate.first_token_fidelity``)."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,6 @@ import string
 from collections import Counter
 from collections.abc import Sequence
 
-import torch
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCT = set(string.punctuation) | set("‘’“”…–—")
@@ -89,14 +89,6 @@ def task_scores(prediction: str, answers: Sequence[str], values: Sequence[str] =
     if values:
         out["match"] = string_match(prediction, values)
     return out
-
-
-def first_token_fidelity(full_logits: torch.Tensor, logits: torch.Tensor) -> dict[str, float]:
-    """KL(full ‖ method) of the first-token distributions and whether their top-1 tokens agree."""
-    p = torch.log_softmax(full_logits.double(), -1)
-    q = torch.log_softmax(logits.double(), -1)
-    kl = float((p.exp() * (p - q)).sum())
-    return {"kl": max(kl, 0.0), "top1": float(int(full_logits.argmax()) == int(logits.argmax()))}
 
 
 def mean(xs: Sequence[float]) -> float:

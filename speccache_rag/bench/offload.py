@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..config import OffloadConfig
+from ..gate import first_token_fidelity
 from ..hardware import dtype_name
 from ..layers import HFLayers
 from ..offload import OffloadDecoder
@@ -24,7 +25,7 @@ from ..offload.tiers import resident_bytes_formula
 from ..prompt import RAGPrompt, render
 from ..runner import decode_one, full_prefill
 from .data import make_example, tokenizer_counter
-from .metrics import first_token_fidelity, task_scores
+from .metrics import task_scores
 from .report_tables import fmt
 from .results import RESULTS, SUITE_FILE
 

@@ -27,13 +27,14 @@ import json
 import torch
 
 from ..config import ReuseConfig
+from ..gate import first_token_fidelity
 from ..output import GenerationStats
 from ..prompt import TokenizedPrompt, render
 from ..runner import KVCache, full_prefill, prefill
 from ..selection import SELECTORS
 from ..selection.base import Selection, budget_for, top_positions
 from ..selection.qattn import QuestionAttention, question_start, scored_layers
-from .metrics import first_token_fidelity, mean
+from .metrics import mean
 from .report_paired import sign_test_p
 
 SCORERS = ("qattn", "attn", "dev", "impact", "impact-stale", "vnorm", "both")

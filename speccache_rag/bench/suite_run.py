@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 
+from ..gate import first_token_fidelity
 from ..prompt import RAGPrompt, render
 from .data import Example, load_longbench, prose_fingerprint, synthetic, tokenizer_counter
 from .methods import BenchEngine, MethodSpec, parse_method
-from .metrics import first_token_fidelity, median, rouge_l, task_scores
+from .metrics import median, rouge_l, task_scores
 from .results import RESULTS, SUITE_FILE, read_rows, row_key
 from .suites import Suite
 
