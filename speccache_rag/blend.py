@@ -19,6 +19,7 @@ from .layers import LayerOps
 from .neighbors import choose as neighbors_choose
 from .output import GenerationStats
 from .prompt import RAGPrompt, Segment, TokenizedPrompt
+from .propagate import PropagatingCache
 from .runner import KVCache, full_prefill, prefill
 from .selection import SELECTORS, Selection, budget_for, hidden_states
 from .store import KVStore
@@ -81,8 +82,10 @@ class Blender:
         return key, True
 
     def load(self, tokens: TokenizedPrompt, cache: KVCache, stats: GenerationStats,
-             keys: dict[int, str] | None = None, neighbors: str = "off") -> tuple[torch.Tensor, list[Segment]]:
-        """Put every stored chunk's KV, rotated to its true positions, into ``cache`` → (reusable [N], missed).
+             keys: dict[int, str] | None = None, neighbors: str = "off",
+             keys_pre: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Segment]]:
+        """Put every stored chunk's KV, rotated to its true positions, into ``cache`` → (reusable [N], missed);
+        with ``keys_pre`` (shaped as ``cache.k``), the stored keys before RoPE there too.
 
         keys: chunk start → store key, where a caller already matched the chunk (its tokens may then be
         a prefix of the entry's: by causality the KV of a chunk's first tokens does not depend on the rest).
@@ -112,6 +115,8 @@ class Blender:
             # stored KV lives on the host: it moves to the model's device once, here
             cache.k[:, :, seg.start:seg.end] = self.ops.rotate(entry.k[:, :, :n].to(cache.k), positions)
             cache.v[:, :, seg.start:seg.end] = entry.v[:, :, :n].to(cache.v)
+            if keys_pre is not None:
+                keys_pre[:, :, seg.start:seg.end] = entry.k[:, :, :n].to(keys_pre)
             reusable[seg.start:seg.end] = True
         return reusable, missed
 
@@ -131,13 +136,16 @@ class Blender:
             return Blended(logits, everything, [])
 
         t = time.perf_counter()
-        reusable, missed = self.load(tokens, cache, stats, keys, reuse.neighbors)
+        keys_pre = torch.empty_like(cache.k[:, :, :n]) if reuse.propagate else None
+        reusable, missed = self.load(tokens, cache, stats, keys, reuse.neighbors, keys_pre)
         stats.load_s = time.perf_counter() - t
         draft, draft_tokenizer = self.draft() if reuse.method in DRAFT_METHODS and self.draft else (None, None)
         sel = Selection(tokens, reusable, budget_for(reuse.recompute_ratio, int(reusable.sum()), reuse), reuse,
                         prompt=prompt, draft=draft, draft_tokenizer=draft_tokenizer, hidden_states=self.hidden_states,
                         sink=self.sink)
         t = time.perf_counter()
+        if reuse.propagate:
+            cache = PropagatingCache(cache, tokens, reusable, reuse.propagate, keys_pre, self.ops)
         logits, recomputed = self.selector(reuse.method)(self.ops, cache, sel, (~reusable).nonzero().flatten())
         stats.draft_s = sel.timings.get("select_s", 0.0)
         stats.draft_forward_s = sel.timings.get("draft_forward_s", 0.0)

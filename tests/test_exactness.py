@@ -107,14 +107,25 @@ def test_every_method_at_ratio_one_equals_full_prefill(engine, full_out, method)
     assert out.stats.dtype == engine.dtype
 
 
-@pytest.mark.parametrize("options", [dict(qattn_rounds=2), dict(qattn_rounds=3, qattn_sink=4, qattn_pool=3)])
-def test_multi_round_qattn_at_ratio_one_equals_full_prefill(engine, full_out, options):
-    """A budget that covers every chunk token is one round: exact at r = 1."""
+@pytest.mark.parametrize("method, options", [
+    ("qattn", dict(qattn_rounds=2)), ("qattn", dict(qattn_rounds=3, qattn_sink=4, qattn_pool=3)),
+    ("qattn", dict(propagate=0.5)), ("epic", dict(propagate=1.0)), ("cacheblend", dict(propagate=1.0))])
+def test_method_options_at_ratio_one_equal_full_prefill(engine, full_out, method, options):
+    """A budget that covers every chunk token is one round, and leaves no stale token to correct: exact at r = 1."""
     prompt = RAGPrompt(chunks=CHUNKS, question=QUESTION)
-    out = engine.generate(prompt, max_new_tokens=12, reuse=ReuseConfig(method="qattn", recompute_ratio=1.0, **options),
+    out = engine.generate(prompt, max_new_tokens=12, reuse=ReuseConfig(method=method, recompute_ratio=1.0, **options),
                           return_first_logits=True)
     assert_reproduces(out.first_logits, full_out.first_logits, engine.ops.dtype)
     assert out.token_ids == full_out.token_ids
+
+
+def test_propagate_changes_a_partial_blend(engine):
+    """The option reaches the blend: at r = 0.3 stale tokens' values move, so the first token's logits do."""
+    prompt = RAGPrompt(chunks=CHUNKS, question=QUESTION)
+    plain, moved = (engine.generate(prompt, max_new_tokens=1, return_first_logits=True,
+                                    reuse=ReuseConfig(recompute_ratio=0.3, propagate=share)) for share in (0.0, 0.5))
+    assert plain.stats.reused_tokens > 0
+    assert (plain.first_logits - moved.first_logits).abs().max() > 1e-3
 
 
 def test_reuse_without_recompute_measurably_differs(engine, full_out):

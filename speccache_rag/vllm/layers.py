@@ -101,12 +101,12 @@ class VllmLayers:
     def logits(self, h_last: torch.Tensor) -> None:
         return None                             # vLLM computes the prompt's last token and samples it itself
 
-    def rotate(self, k_pre: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def rotate(self, k_pre: torch.Tensor, positions: torch.Tensor, first_layer: int = 0) -> torch.Tensor:
         layers, heads, s, d = k_pre.shape
         out = torch.empty_like(k_pre)
         for i in range(layers):
             flat = k_pre[i].transpose(0, 1).reshape(s, heads * d).clone()   # rotated in place: never the stored entry
-            rotated, _ = self.blocks[i].self_attn.rotary_emb(positions, flat, None)
+            rotated, _ = self.blocks[first_layer + i].self_attn.rotary_emb(positions, flat, None)
             out[i] = rotated.view(s, heads, d).transpose(0, 1)
         return out
 
