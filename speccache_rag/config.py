@@ -66,8 +66,8 @@ class ReuseConfig:
     qattn_rounds: int = 1               # qattn: the budget in n parts, each re-scored over the repaired KV
     qattn_rows: int = 0                 # qattn: score with the question's last k rows only (0: every row)
     neighbors: str = "preceding"        # which stored variant of a chunk to read (neighbors.py)
-    propagate: float = 0.0              # stale chunk tokens take this share of their nearest recomputed
-                                        # neighbour's value correction, layer by layer (propagate.py)
+    propagate: float = 0.5              # stale chunk tokens take this share of their nearest recomputed
+                                        # neighbour's KV correction, layer by layer (propagate.py)
     seed: int = 0                       # for "random"
 
     def __post_init__(self):

@@ -96,8 +96,11 @@ def test_method_names():
     assert (opts.qattn_sink, opts.qattn_rounds, opts.qattn_layers, opts.qattn_heads, opts.qattn_rows) == \
         (32, 2, (0.25, 1.0), "max", 4)
     assert parse_method("qattn@auto+auto_range=0.05-0.15").reuse_config().auto_range == (0.05, 0.15)
+    # a name keeps the configuration it was measured with: the default's propagate only where spelled
+    assert parse_method("qattn@0.15").reuse_config().propagate == 0.0 < ReuseConfig().propagate
+    assert parse_method("qattn@0.15+propagate=0.5").reuse_config() == ReuseConfig()
     for bad in ("nope", "speccache@2", "epic-kx", "speccache", "qattn@auto:0", "qattn@auto:x", "norm@auto:0.5",
-                "qattn@0.15+bogus=1", "qattn@0.15+rounds=0", "qattn@0.15+sink"):
+                "qattn@0.15+bogus=1", "qattn@0.15+rounds=0", "qattn@0.15+sink", "qattn@0.15+propagate=2"):
         with pytest.raises(ValueError):
             parse_method(bad)
 

@@ -54,3 +54,16 @@ def test_the_default_reuses_stored_chunks_and_moves_toward_full(gemma):
                                                 log_target=True, reduction="sum"))
     assert kl(reuse) > 1e-3                      # stitched chunks alone are not full prefill …
     assert kl(out) < kl(reuse)                   # … and the default's recompute brings the first token closer
+
+
+def test_one_layer_rotates_with_its_own_rope_base(gemma):
+    """``rotate(..., first_layer=i)`` (propagate.py corrects one layer's keys at a time) uses layer i's rope type."""
+    engine, _, _ = gemma
+    ops = engine.ops
+    k = torch.randn(1, ops.num_kv_heads, 5, ops.head_dim).expand(ops.num_layers, -1, -1, -1)  # alike in every layer
+    positions = torch.arange(700, 705)
+    every = ops.rotate(k, positions)
+    types = engine.target.config.layer_types
+    for i in (types.index("sliding_attention"), types.index("full_attention")):
+        torch.testing.assert_close(ops.rotate(k[i:i + 1], positions, first_layer=i)[0], every[i])
+    assert not torch.allclose(every[types.index("sliding_attention")], every[types.index("full_attention")])  # two bases

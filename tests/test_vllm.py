@@ -415,10 +415,11 @@ BLEND_METHODS = [m for m in METHODS if m != "full"]
 
 
 @needs_vllm
-@pytest.mark.parametrize("method", BLEND_METHODS)
-def test_torch_and_vllm_run_one_blend_same_positions_same_kv(engine, kv_dir, prompt, method):
+@pytest.mark.parametrize("method, options", [(m, {}) for m in BLEND_METHODS] + [("qattn", {"propagate": 0.5})])
+def test_torch_and_vllm_run_one_blend_same_positions_same_kv(engine, kv_dir, prompt, method, options):
     """The core pipeline over HF modules and over vLLM's own: same positions chosen, KV within float
-    tolerance (both read one store; the selectors and the layer loop are shared, the modules are not)."""
+    tolerance (both read one store; the selectors and the layer loop are shared, the modules are not;
+    ``propagate`` rotates its key corrections with each one's rotary embedding)."""
     from speccache_rag.blend import Blender
     from speccache_rag.output import GenerationStats
     from speccache_rag.runner import KVCache
@@ -431,7 +432,7 @@ def test_torch_and_vllm_run_one_blend_same_positions_same_kv(engine, kv_dir, pro
         ids, _ = tokenize_piece(torch_engine.tokenizer, text)
         store.put(torch_engine.chunk_kv(ids, chunk_key(torch_engine.fingerprint, ids), text))
     tokens = render(prompt, torch_engine.tokenizer)
-    reuse = ReuseConfig(method=method, recompute_ratio=0.15)
+    reuse = ReuseConfig(method=method, recompute_ratio=0.15, **options)
     runs = []
     for ops in (torch_engine.ops, VllmLayers(current_model())):
         blender = Blender(ops, store, torch_engine.fingerprint, torch_engine.blender.sink_ids,

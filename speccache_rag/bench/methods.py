@@ -47,7 +47,9 @@ class MethodSpec:
         return self.family in DRAFT_FAMILIES
 
     def reuse_config(self) -> ReuseConfig:
-        options = dict(self.options)
+        # a name is one configuration for good: runs written before the default took propagate=0.5 resume and
+        # pair with new ones unchanged, so the default is spelled qattn@0.15+propagate=0.5
+        options = {"propagate": 0.0, **dict(self.options)}
         if self.family == "full":
             return ReuseConfig(method="full", recompute_ratio=1.0, **options)
         if self.family == "reuse":
