@@ -85,7 +85,7 @@ class Blender:
              keys: dict[int, str] | None = None, neighbors: str = "off",
              keys_pre: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Segment]]:
         """Put every stored chunk's KV, rotated to its true positions, into ``cache`` → (reusable [N], missed);
-        with ``keys_pre`` (shaped as ``cache.k``), the stored keys before RoPE there too.
+        with ``keys_pre`` (``cache.k``'s shape over the prompt), the stored keys before RoPE there too.
 
         keys: chunk start → store key, where a caller already matched the chunk (its tokens may then be
         a prefix of the entry's: by causality the KV of a chunk's first tokens does not depend on the rest).

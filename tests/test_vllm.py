@@ -415,11 +415,11 @@ BLEND_METHODS = [m for m in METHODS if m != "full"]
 
 
 @needs_vllm
-@pytest.mark.parametrize("method, options", [(m, {}) for m in BLEND_METHODS] + [("qattn", {"propagate": 0.5})])
+@pytest.mark.parametrize("method, options", [(m, {}) for m in BLEND_METHODS] + [("qattn", {"propagate": 0.0})])
 def test_torch_and_vllm_run_one_blend_same_positions_same_kv(engine, kv_dir, prompt, method, options):
     """The core pipeline over HF modules and over vLLM's own: same positions chosen, KV within float
-    tolerance (both read one store; the selectors and the layer loop are shared, the modules are not;
-    ``propagate`` rotates its key corrections with each one's rotary embedding)."""
+    tolerance (both read one store; the selectors and the layer loop are shared, the modules are not; the
+    default ``propagate`` rotates its key corrections with each one's rotary embedding)."""
     from speccache_rag.blend import Blender
     from speccache_rag.output import GenerationStats
     from speccache_rag.runner import KVCache
