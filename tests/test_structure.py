@@ -10,7 +10,7 @@ MAX_LINES = 400
 FLOORS = [
     ("values", ["config", "hardware", "prompt", "chat_prompt", "kv", "wire", "engines", "sampling", "chunking",
                 "data"]),
-    ("parts", ["layers", "runner", "store", "models", "output", "neighbors", "offload"]),
+    ("parts", ["layers", "runner", "store", "models", "output", "neighbors", "propagate", "offload"]),
     ("pipeline", ["selection", "gate", "blend", "contract", "remote_output"]),
     ("engines", ["engine", "remote", "vllm", "ray_precompute", "matching"]),
     ("surfaces", ["dropin", "cli", "bench", "__main__", ""]),      # "": the package's __init__
