@@ -27,7 +27,7 @@ from ..runner import decode_one, full_prefill
 from .data import make_example, tokenizer_counter
 from .metrics import task_scores
 from .report_tables import fmt
-from .results import RESULTS, SUITE_FILE
+from .results import RESULTS, SUITE_FILE, read_rows
 
 QWEN05, QWEN15 = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
 
@@ -124,15 +124,11 @@ def run_example(ops: HFLayers, tokenizer, stops: set[int], suite: OffloadSuite, 
     return rows
 
 
-def _read_rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def rewrite_offload_report(out: str | Path) -> Path:
     """The report of a results directory as it stands (``--report-only``)."""
     out = Path(out)
     env = json.loads((out / SUITE_FILE).read_text()).get("environment", {}) if (out / SUITE_FILE).exists() else {}
-    return write_offload_report(out, _read_rows(out / RESULTS), env)
+    return write_offload_report(out, read_rows(out / RESULTS, key=None), env)
 
 
 def run_offload_suite(suite: OffloadSuite, out: str | Path, resume: bool = False, progress: bool = True,
@@ -146,7 +142,7 @@ def run_offload_suite(suite: OffloadSuite, out: str | Path, resume: bool = False
     env = environment(command)
     (out / SUITE_FILE).write_text(json.dumps({"suite": asdict(suite), "environment": env}, indent=2))
     path = out / RESULTS
-    rows = _read_rows(path) if resume else []
+    rows = read_rows(path, key=None) if resume else []
     done = {(r["target"], r["context"], r["example"]) for r in rows if r["config"] == "full"}
     if loader is None:
         from ..models import load as loader

@@ -12,14 +12,15 @@ def row_key(row: dict) -> tuple:
     return (row["kind"], row["target"], row.get("draft"), row["example"], row.get("method"))
 
 
-def read_rows(path: Path) -> list[dict]:
-    """Rows of a results file; a torn last line (interrupted write) is ignored. Later rows win."""
-    rows: dict[tuple, dict] = {}
+def read_rows(path: Path, key=row_key) -> list[dict]:
+    """Rows of a results file; a torn last line (interrupted write) is ignored. Of rows with the same ``key``
+    the later wins; ``key=None`` keeps every row."""
+    rows: dict = {}
     if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            rows[row_key(row)] = row
+            rows[key(row) if key else i] = row
     return list(rows.values())
