@@ -1,4 +1,5 @@
 """Stale chunk tokens borrow their nearest recomputed neighbour's KV correction (propagate.py)."""
+import pytest
 import torch
 
 from speccache_rag.prompt import Segment, TokenizedPrompt
@@ -74,3 +75,28 @@ def test_chunk_starts_neither_lend_nor_take():
     cache, before = _cache(1.0)
     _write(cache, 0, [2, 3], [50.0, 50.0])       # chunk 0's sink tokens
     assert torch.equal(cache.v[0, 0, 4:, 0], before[0, 0, 4:, 0])
+
+
+def test_auto_share_is_fitted_per_distance_on_the_recomputed_pairs():
+    """share="auto": pairs of neighbouring recomputed tokens whose corrections are (1, 0.5) × u fit 0.8 at distance
+    1; lone ones 10 apart whose corrections alternate in sign fit −1, clamped to 0; the empty bins between take
+    the nearer bin's factor. A stale token takes the factor of its own distance to the neighbour it borrows from."""
+    n = 610
+    tokens = TokenizedPrompt(list(range(n)), [Segment(0, 2, "prefix"), Segment(2, 602, "a", chunk=0),
+                                              Segment(602, n, "question")])
+    zeros = torch.zeros(1, 1, n, 1)
+    reusable = torch.zeros(n, dtype=torch.bool)
+    reusable[2:602] = True
+    cache = PropagatingCache(KVCache(zeros.clone(), zeros.clone()), tokens, reusable, "auto", zeros.clone(), _ScaleRope())
+    pairs = [p for j in range(20) for p in (10 + 10 * j, 11 + 10 * j)]
+    lone = [250 + 10 * j for j in range(20)]
+    moves = [m for _ in range(20) for m in (1.0, 0.5)] + [(-1.0) ** j for j in range(20)]
+    sources = torch.tensor(pairs + lone)
+    d = torch.tensor(moves)[None, :, None]
+    assert torch.allclose(cache.fitted(sources, d), torch.tensor([0.8, 0.8, 0.8, 0.0]))
+
+    v = torch.tensor(moves)[None, :, None]
+    cache.write(0, sources, v, _ScaleRope.rotate(v[None], sources)[0], v)
+    assert cache.v[0, 0, 12, 0] == pytest.approx(0.8 * 0.5)     # 1 from source 11
+    assert cache.v[0, 0, 255, 0] == pytest.approx(0.8 * 1.0)    # 5 from source 250
+    assert cache.v[0, 0, 230, 0] == 0.0                          # 20 from source 250: the far bin's 0

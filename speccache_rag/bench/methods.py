@@ -79,7 +79,7 @@ def _option(item: str) -> tuple[str, object]:
     if isinstance(default, int):
         return key, int(raw)
     if isinstance(default, float):
-        return key, float(raw)
+        return key, raw if raw == "auto" and key == "propagate" else float(raw)
     return key, raw
 
 
