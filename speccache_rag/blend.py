@@ -145,7 +145,7 @@ class Blender:
                         sink=self.sink)
         t = time.perf_counter()
         if reuse.propagate:
-            cache = PropagatingCache(cache, tokens, reusable, reuse.propagate, keys_pre, self.ops)
+            cache = PropagatingCache(cache, tokens, reusable, reuse.propagate, keys_pre, self.ops, reuse.propagate_window)
         logits, recomputed = self.selector(reuse.method)(self.ops, cache, sel, (~reusable).nonzero().flatten())
         stats.draft_s = sel.timings.get("select_s", 0.0)
         stats.draft_forward_s = sel.timings.get("draft_forward_s", 0.0)

@@ -66,8 +66,9 @@ class ReuseConfig:
     qattn_rounds: int = 1               # qattn: the budget in n parts, each re-scored over the repaired KV
     qattn_rows: int = 0                 # qattn: score with the question's last k rows only (0: every row)
     neighbors: str = "preceding"        # which stored variant of a chunk to read (neighbors.py)
-    propagate: float | str = 0.5        # stale chunk tokens take this share of their nearest recomputed
-                                        # neighbour's KV correction, layer by layer; "auto": fitted (propagate.py)
+    propagate: float = 0.75             # stale chunk tokens take this share of the mean KV correction of
+    propagate_window: int = 2           # this many recomputed neighbours on each side (0: the nearest one),
+                                        # layer by layer (propagate.py)
     seed: int = 0                       # for "random"
 
     def __post_init__(self):
@@ -105,8 +106,10 @@ class ReuseConfig:
             raise ValueError(f"qattn_heads must be 'mean' or 'max', got {self.qattn_heads!r}")
         if self.neighbors not in NEIGHBOR_POLICIES:
             raise ValueError(f"neighbors must be one of {', '.join(NEIGHBOR_POLICIES)}, got {self.neighbors!r}")
-        if self.propagate != "auto" and (not isinstance(self.propagate, (int, float)) or not 0.0 <= self.propagate <= 1.0):
-            raise ValueError(f"propagate must be within [0, 1] or 'auto', got {self.propagate!r}")
+        if not 0.0 <= self.propagate <= 1.0:
+            raise ValueError(f"propagate must be within [0, 1], got {self.propagate!r}")
+        if self.propagate_window < 0:
+            raise ValueError(f"propagate_window must be >= 0, got {self.propagate_window}")
         if self.tau_smooth < 0 or not 0.0 <= self.tau_cover <= 1.0 or self.max_span < 1:
             raise ValueError("need tau_smooth >= 0, tau_cover in [0, 1], max_span >= 1")
 

@@ -98,9 +98,11 @@ def test_method_names():
     assert parse_method("qattn@auto+auto_range=0.05-0.15").reuse_config().auto_range == (0.05, 0.15)
     # a name keeps the configuration it was measured with: the default's propagate only where spelled
     assert parse_method("qattn@0.15").reuse_config().propagate == 0.0 < ReuseConfig().propagate
-    assert parse_method("qattn@0.15+propagate=0.5").reuse_config() == ReuseConfig()
+    assert parse_method("qattn@0.15+propagate=0.75+propagate_window=2").reuse_config() == ReuseConfig()
+    assert parse_method("qattn@0.15+propagate=0.5").reuse_config().propagate_window == 0   # measured as the nearest
     for bad in ("nope", "speccache@2", "epic-kx", "speccache", "qattn@auto:0", "qattn@auto:x", "norm@auto:0.5",
-                "qattn@0.15+bogus=1", "qattn@0.15+rounds=0", "qattn@0.15+sink", "qattn@0.15+propagate=2"):
+                "qattn@0.15+bogus=1", "qattn@0.15+rounds=0", "qattn@0.15+sink", "qattn@0.15+propagate=2",
+                "qattn@0.15+propagate_window=-1"):
         with pytest.raises(ValueError):
             parse_method(bad)
 

@@ -25,14 +25,14 @@ class _ScaleRope:
         return k_pre * (positions + 1.0)[None, None, :, None]
 
 
-def _cache(share: float) -> tuple[PropagatingCache, torch.Tensor]:
+def _cache(share: float, window: int = 0) -> tuple[PropagatingCache, torch.Tensor]:
     """Every stale value and pre-RoPE key: its own position (so the rotated key is p * (p + 1))."""
     tokens = _prompt()
     pos = torch.arange(30.0)[None, None, :, None].expand(LAYERS, HEADS, -1, DIM)
     cache = KVCache(pos * (pos + 1), pos.clone())
     reusable = torch.zeros(30, dtype=torch.bool)
     reusable[2:26] = True
-    return PropagatingCache(cache, tokens, reusable, share, pos.clone(), _ScaleRope()), cache.v.clone()
+    return PropagatingCache(cache, tokens, reusable, share, pos.clone(), _ScaleRope(), window), cache.v.clone()
 
 
 def _write(cache: PropagatingCache, layer: int, positions: list[int], values: list[float]) -> None:
@@ -77,26 +77,18 @@ def test_chunk_starts_neither_lend_nor_take():
     assert torch.equal(cache.v[0, 0, 4:, 0], before[0, 0, 4:, 0])
 
 
-def test_auto_share_is_fitted_per_distance_on_the_recomputed_pairs():
-    """share="auto": pairs of neighbouring recomputed tokens whose corrections are (1, 0.5) × u fit 0.8 at distance
-    1; lone ones 10 apart whose corrections alternate in sign fit −1, clamped to 0; the empty bins between take
-    the nearer bin's factor. A stale token takes the factor of its own distance to the neighbour it borrows from."""
-    n = 610
-    tokens = TokenizedPrompt(list(range(n)), [Segment(0, 2, "prefix"), Segment(2, 602, "a", chunk=0),
-                                              Segment(602, n, "question")])
-    zeros = torch.zeros(1, 1, n, 1)
-    reusable = torch.zeros(n, dtype=torch.bool)
-    reusable[2:602] = True
-    cache = PropagatingCache(KVCache(zeros.clone(), zeros.clone()), tokens, reusable, "auto", zeros.clone(), _ScaleRope())
-    pairs = [p for j in range(20) for p in (10 + 10 * j, 11 + 10 * j)]
-    lone = [250 + 10 * j for j in range(20)]
-    moves = [m for _ in range(20) for m in (1.0, 0.5)] + [(-1.0) ** j for j in range(20)]
-    sources = torch.tensor(pairs + lone)
-    d = torch.tensor(moves)[None, :, None]
-    assert torch.allclose(cache.fitted(sources, d), torch.tensor([0.8, 0.8, 0.8, 0.0]))
 
-    v = torch.tensor(moves)[None, :, None]
-    cache.write(0, sources, v, _ScaleRope.rotate(v[None], sources)[0], v)
-    assert cache.v[0, 0, 12, 0] == pytest.approx(0.8 * 0.5)     # 1 from source 11
-    assert cache.v[0, 0, 255, 0] == pytest.approx(0.8 * 1.0)    # 5 from source 250
-    assert cache.v[0, 0, 230, 0] == 0.0                          # 20 from source 250: the far bin's 0
+def test_a_window_lends_the_mean_correction_of_the_nearest_recomputed_tokens_on_each_side():
+    """window=2: a stale token takes the share of the mean of up to 2 recomputed tokens' corrections on each side,
+    within its chunk."""
+    cache, before = _cache(0.5, window=2)
+    # chunk 0 at [2, 14): 6, 8, 10 and 12 recomputed, moved by +4, +8, −4 and +12; chunk 1 gets nothing
+    _write(cache, 0, [6, 8, 10, 12], [10.0, 16.0, 6.0, 24.0])
+    v = cache.v[0, 0, :, 0] - before[0, 0, :, 0]
+    assert v[9] == pytest.approx(0.5 * (4 + 8 - 4 + 12) / 4)                 # two on each side
+    assert v[7] == pytest.approx(0.5 * (4 + 8 - 4) / 3)                     # one on the left (6): the sink lends nothing
+    assert v[11] == pytest.approx(0.5 * (8 - 4 + 12) / 3)                   # one on the right
+    assert v[13] == pytest.approx(0.5 * (-4 + 12) / 2)                      # none on the right
+    assert torch.equal(v[14:26], torch.zeros(12))
+    k = cache.k[0, 0, :, 0]
+    assert k[13] == (13.0 + 2.0) * 14                          # keys alike, rotated to the stale token's position

@@ -47,9 +47,9 @@ class MethodSpec:
         return self.family in DRAFT_FAMILIES
 
     def reuse_config(self) -> ReuseConfig:
-        # a name is one configuration for good: runs written before the default took propagate=0.5 resume and
-        # pair with new ones unchanged, so the default is spelled qattn@0.15+propagate=0.5
-        options = {"propagate": 0.0, **dict(self.options)}
+        # a name is one configuration for good: runs written before the default took propagation resume and
+        # pair with new ones unchanged, so the default is spelled qattn@0.15+propagate=0.75+propagate_window=2
+        options = {"propagate": 0.0, "propagate_window": 0, **dict(self.options)}
         if self.family == "full":
             return ReuseConfig(method="full", recompute_ratio=1.0, **options)
         if self.family == "reuse":
@@ -79,7 +79,7 @@ def _option(item: str) -> tuple[str, object]:
     if isinstance(default, int):
         return key, int(raw)
     if isinstance(default, float):
-        return key, raw if raw == "auto" and key == "propagate" else float(raw)
+        return key, float(raw)
     return key, raw
 
 
