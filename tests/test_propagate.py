@@ -85,10 +85,10 @@ def test_a_window_lends_the_mean_correction_of_the_nearest_recomputed_tokens_on_
     # chunk 0 at [2, 14): 6, 8, 10 and 12 recomputed, moved by +4, +8, −4 and +12; chunk 1 gets nothing
     _write(cache, 0, [6, 8, 10, 12], [10.0, 16.0, 6.0, 24.0])
     v = cache.v[0, 0, :, 0] - before[0, 0, :, 0]
-    assert v[9] == pytest.approx(0.5 * (4 + 8 - 4 + 12) / 4)                 # two on each side
-    assert v[7] == pytest.approx(0.5 * (4 + 8 - 4) / 3)                     # one on the left (6): the sink lends nothing
-    assert v[11] == pytest.approx(0.5 * (8 - 4 + 12) / 3)                   # one on the right
-    assert v[13] == pytest.approx(0.5 * (-4 + 12) / 2)                      # none on the right
+    assert v[9] == pytest.approx(0.5 * (4 + 8 - 4 + 12) / 4)            # two on each side
+    assert v[7] == pytest.approx(0.5 * (4 + 8 - 4) / 3)                 # one on the left (6): the sink lends nothing
+    assert v[11] == pytest.approx(0.5 * (8 - 4 + 12) / 3)               # one on the right
+    assert v[13] == pytest.approx(0.5 * (-4 + 12) / 2)                  # none on the right
     assert torch.equal(v[14:26], torch.zeros(12))
     k = cache.k[0, 0, :, 0]
     assert k[13] == (13.0 + 2.0) * 14                          # keys alike, rotated to the stale token's position
