@@ -136,7 +136,10 @@ class Blender:
             return Blended(logits, everything, [])
 
         t = time.perf_counter()
-        keys_pre = torch.empty_like(cache.k[:, :, :n]) if reuse.propagate else None
+        # measured on llama/qwen2-style models; with QK-norm (Gemma3: worse than none on its test prompt, even on
+        # values alone; Qwen3: not measured) the stale tokens keep their stored KV
+        propagate = reuse.propagate if not getattr(self.ops, "qk_norm", False) else 0.0
+        keys_pre = torch.empty_like(cache.k[:, :, :n]) if propagate else None
         reusable, missed = self.load(tokens, cache, stats, keys, reuse.neighbors, keys_pre)
         stats.load_s = time.perf_counter() - t
         draft, draft_tokenizer = self.draft() if reuse.method in DRAFT_METHODS and self.draft else (None, None)
@@ -144,8 +147,8 @@ class Blender:
                         prompt=prompt, draft=draft, draft_tokenizer=draft_tokenizer, hidden_states=self.hidden_states,
                         sink=self.sink)
         t = time.perf_counter()
-        if reuse.propagate:
-            cache = PropagatingCache(cache, tokens, reusable, reuse.propagate, keys_pre, self.ops, reuse.propagate_window)
+        if propagate:
+            cache = PropagatingCache(cache, tokens, reusable, propagate, keys_pre, self.ops, reuse.propagate_window)
         logits, recomputed = self.selector(reuse.method)(self.ops, cache, sel, (~reusable).nonzero().flatten())
         stats.draft_s = sel.timings.get("select_s", 0.0)
         stats.draft_forward_s = sel.timings.get("draft_forward_s", 0.0)

@@ -54,6 +54,9 @@ def test_the_default_reuses_stored_chunks_and_moves_toward_full(gemma):
                                                 log_target=True, reduction="sum"))
     assert kl(reuse) > 1e-3                      # stitched chunks alone are not full prefill …
     assert kl(out) < kl(reuse)                   # … and the default's recompute brings the first token closer
+    # with QK-norm the stale tokens keep their stored KV: propagation moved this prompt away from full
+    plain = engine.generate(prompt, max_new_tokens=1, return_first_logits=True, reuse=ReuseConfig(propagate=0.0))
+    assert torch.equal(out.first_logits, plain.first_logits)
 
 
 def test_one_layer_rotates_with_its_own_rope_base(gemma):
