@@ -138,7 +138,7 @@ class Blender:
         t = time.perf_counter()
         # measured on llama/qwen2-style models; with QK-norm (Gemma3: worse than none on its test prompt, even on
         # values alone; Qwen3: not measured) the stale tokens keep their stored KV
-        propagate = reuse.propagate if not getattr(self.ops, "qk_norm", False) else 0.0
+        propagate = 0.0 if self.ops.qk_norm else reuse.propagate
         keys_pre = torch.empty_like(cache.k[:, :, :n]) if propagate else None
         reusable, missed = self.load(tokens, cache, stats, keys, reuse.neighbors, keys_pre)
         stats.load_s = time.perf_counter() - t

@@ -28,6 +28,7 @@ class LayerOps(Protocol):
     device: torch.device            # where the model's weights are: every tensor the pipeline makes goes there
     scaling: float                  # softmax scale of the attention
     windows: list[int | None]       # per layer: sliding window (a key is seen within that many positions) or None
+    qk_norm: bool                   # per-head RMSNorm of q and k before RoPE (qwen3, gemma3)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """[S] → residual stream [S, hidden]."""
