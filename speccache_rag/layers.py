@@ -45,8 +45,9 @@ class LayerOps(Protocol):
     def logits(self, h_last: torch.Tensor) -> torch.Tensor | None:
         """Residual of the last token [hidden] → next-token logits [vocab] in float32."""
 
-    def rotate(self, k_pre: torch.Tensor, positions: torch.Tensor, first_layer: int = 0) -> torch.Tensor:
-        """Keys before RoPE [layers, KVH, S, D] of layers ``first_layer``.. → rotated to ``positions`` [S]."""
+    def rotate(self, k_pre: torch.Tensor, positions: torch.Tensor, first_layer: int = 0, rope=None) -> torch.Tensor:
+        """Keys before RoPE [layers, KVH, S, D] of layers ``first_layer``.. → rotated to ``positions`` [S];
+        ``rope``: ``rope(positions, …)``'s result, for a caller that rotates to the same positions again and again."""
 
 
 def check_arch(model) -> None:
@@ -155,8 +156,8 @@ class HFLayers:
         logits = self.model.lm_head(self.model.model.norm(h_last)).float()
         return logits if not self.logit_cap else torch.tanh(logits / self.logit_cap) * self.logit_cap
 
-    def rotate(self, k_pre: torch.Tensor, positions: torch.Tensor, first_layer: int = 0) -> torch.Tensor:
-        ropes = self.rope(positions, k_pre)
+    def rotate(self, k_pre: torch.Tensor, positions: torch.Tensor, first_layer: int = 0, rope=None) -> torch.Tensor:
+        ropes = rope if rope is not None else self.rope(positions, k_pre)
         if self.rope_types is None:
             return apply_rope(k_pre, *ropes[0])
         return torch.stack([apply_rope(k, *cs) for k, cs in zip(k_pre, ropes[first_layer:])])

@@ -32,54 +32,62 @@ class PropagatingCache(KVCache):
                  keys_pre: torch.Tensor, ops: LayerOps, window: int = 0):
         super().__init__(cache.k, cache.v, cache.k_pre)
         self.share, self.keys_pre, self.ops, self.window = share, keys_pre, ops, window
-        n, device = len(tokens), reusable.device
-        self.chunk = torch.full((n,), -1, device=device)
-        eligible = torch.zeros(n, dtype=torch.bool, device=device)
-        for seg in tokens.chunk_segments():
-            self.chunk[seg.start:seg.end] = seg.chunk
+        chunks = [seg for seg in tokens.chunk_segments() if seg.end > seg.start]
+        # Corrections are added over the one span from the first chunk to the last, as dense slices: cheaper on a
+        # CPU than scattering into the stale tokens alone, and a zero correction leaves a token as it was.
+        self.span = slice(chunks[0].start, chunks[-1].end) if chunks else slice(0, 0)
+        device = reusable.device
+        self.span_positions = torch.arange(self.span.start, self.span.stop, device=device)
+        self.rope = ops.rope(self.span_positions, keys_pre)                  # every layer rotates to these positions
+        # which chunk segment a token is in, counted in prompt order: sorted sources then have sorted segments
+        self.segment = torch.full((len(tokens),), -1, device=device)
+        eligible = torch.zeros(len(tokens), dtype=torch.bool, device=device)
+        for i, seg in enumerate(chunks):
+            self.segment[seg.start:seg.end] = i
             eligible[seg.start + SINK_TOKENS:seg.end] = True
         self.eligible = eligible & reusable
-        self.fresh = torch.zeros((cache.v.shape[0], n), dtype=torch.bool, device=device)  # recomputed, per layer
+        self.fresh = torch.zeros((cache.v.shape[0], len(tokens)), dtype=torch.bool, device=device)  # per layer
 
     def write(self, layer: int, positions: torch.Tensor, k_pre: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         fresh = self.fresh[layer]
         first = self.eligible[positions] & ~fresh[positions]       # reused tokens recomputed here for the first time
         sources = positions[first]
         if sources.numel():
-            dk = k_pre[:, first] - self.keys_pre[layer][:, sources]
-            dv = v[:, first] - self.v[layer][:, sources]
+            # keys and values side by side, in float32: the means below are differences of running sums
+            moves = torch.cat([k_pre[:, first] - self.keys_pre[layer][:, sources],
+                               v[:, first] - self.v[layer][:, sources]], -1).float()
         super().write(layer, positions, k_pre, k, v)
         fresh[positions] = True
         if not sources.numel():
             return
-        targets, lenders, weights = self.lenders(sources, (self.eligible & ~fresh).nonzero().flatten())
-        if not targets.numel():
-            return
-        weights = self.share * weights.to(dv.dtype)
-        dk = torch.einsum("tj,htjd->htd", weights, dk[:, lenders])
-        dv = torch.einsum("tj,htjd->htd", weights, dv[:, lenders])
-        self.keys_pre[layer][:, targets] += dk
-        self.k[layer][:, targets] += self.ops.rotate(dk[None], targets, first_layer=layer)[0]
-        self.v[layer][:, targets] += dv
+        lo, hi = self.lenders(sources)
+        stale = (self.eligible & ~fresh)[self.span] & (hi > lo)
+        # Stale tokens between the same two sources borrow the same mean: each is computed once, in float32 as a
+        # difference of running sums, then spread over its tokens (the rest read a zero row).
+        ranges, spread = torch.unique_consecutive(lo * (sources.numel() + 1) + hi, return_inverse=True)
+        lo, hi = ranges // (sources.numel() + 1), ranges % (sources.numel() + 1)
+        running = torch.cat([moves.new_zeros(moves.shape[0], 1, moves.shape[2]), moves.cumsum(1)], 1)
+        means = (running[:, hi] - running[:, lo]) * (self.share / (hi - lo).clamp(min=1))[:, None]
+        means = torch.cat([means, means.new_zeros(means.shape[0], 1, means.shape[2])], 1).to(self.v.dtype)
+        dk, dv = means.index_select(1, torch.where(stale, spread, len(ranges))).split([k_pre.shape[-1], v.shape[-1]], -1)
+        self.keys_pre[layer][:, self.span] += dk
+        self.k[layer][:, self.span] += self.ops.rotate(dk[None], self.span_positions, layer, self.rope)[0]
+        self.v[layer][:, self.span] += dv
 
-    def lenders(self, sources: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sorted ``sources`` and ``targets`` → (the targets that have a source in their chunk, [T, J] indices into
-        ``sources`` of the ones each borrows from, [T, J] their weights, summing to 1 per target)."""
-        i = torch.searchsorted(sources, targets)                   # the first source right of each target
+    def lenders(self, sources: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sorted ``sources`` → for each token of the span, the range [lo, hi) of ``sources`` it borrows from: in
+        its chunk, ``window`` on each side or the nearest one; empty where its chunk has none."""
+        targets = self.span_positions
+        i = torch.searchsorted(sources, targets)                   # the first source right of each token
+        segment = self.segment[self.span]
+        first = torch.searchsorted(self.segment[sources], segment)              # the chunk's sources: [first, end)
+        end = torch.searchsorted(self.segment[sources], segment, right=True)
         if self.window:
-            index = i[:, None] + torch.arange(-self.window, self.window, device=i.device)
+            lo, hi = torch.maximum(i - self.window, first), torch.minimum(i + self.window, end)
         else:                                                      # the nearest one; the left one on a tie
             last = sources.numel() - 1
-            has_left, has_right = self._same_chunk(sources, targets, torch.stack([i - 1, i], 1)).unbind(1)
             nearer_right = sources[i.clamp(max=last)] - targets < targets - sources[(i - 1).clamp(min=0)]
-            index = torch.where(has_right & (~has_left | nearer_right), i, i - 1)[:, None]
-        ok = self._same_chunk(sources, targets, index)
-        keep = ok.any(1)
-        index = index.clamp(0, sources.numel() - 1)[keep]
-        weights = ok[keep].float()
-        return targets[keep], index, weights / weights.sum(1, keepdim=True)
-
-    def _same_chunk(self, sources: torch.Tensor, targets: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """[T, J] indices into ``sources`` → whether each is a source in its target's chunk."""
-        inside = (index >= 0) & (index < sources.numel())
-        return inside & (self.chunk[sources[index.clamp(0, sources.numel() - 1)]] == self.chunk[targets][:, None])
+            lo = torch.where((i < end) & ((i == first) | nearer_right), i, i - 1)
+            hi = lo + 1
+        has = end > first
+        return torch.where(has, lo, 0), torch.where(has, hi, 0)

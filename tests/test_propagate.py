@@ -21,8 +21,12 @@ class _ScaleRope:
     reach the stale token rotated to the stale token's own position."""
 
     @staticmethod
-    def rotate(k_pre, positions, first_layer=0):
-        return k_pre * (positions + 1.0)[None, None, :, None]
+    def rope(positions, like):
+        return (positions + 1.0)[None, None, :, None]
+
+    @staticmethod
+    def rotate(k_pre, positions, first_layer=0, rope=None):
+        return k_pre * (rope if rope is not None else _ScaleRope.rope(positions, k_pre))
 
 
 def _cache(share: float, window: int = 0) -> tuple[PropagatingCache, torch.Tensor]:
@@ -92,3 +96,24 @@ def test_a_window_lends_the_mean_correction_of_the_nearest_recomputed_tokens_on_
     assert torch.equal(v[14:26], torch.zeros(12))
     k = cache.k[0, 0, :, 0]
     assert k[13] == (13.0 + 2.0) * 14                          # keys alike, rotated to the stale token's position
+
+
+def test_tokens_between_chunks_take_nothing_and_each_chunk_borrows_only_from_its_own():
+    """The corrections are added over the span from the first chunk to the last: a separator inside that span
+    stays as it was, and a chunk's stale tokens never borrow across it."""
+    segs = [Segment(0, 2, "prefix"), Segment(2, 12, "a", chunk=0), Segment(12, 14, "sep"),
+            Segment(14, 24, "b", chunk=1), Segment(24, 28, "question")]
+    tokens = TokenizedPrompt(list(range(28)), segs)
+    pos = torch.arange(28.0)[None, None, :, None].expand(LAYERS, HEADS, -1, DIM)
+    cache = KVCache(pos * (pos + 1), pos.clone())
+    reusable = torch.zeros(28, dtype=torch.bool)
+    reusable[2:12] = reusable[14:24] = True
+    before = cache.v.clone()
+    for window in (0, 2):
+        prop = PropagatingCache(KVCache(cache.k.clone(), cache.v.clone()), tokens, reusable, 1.0,
+                                pos.clone(), _ScaleRope(), window)
+        _write(prop, 0, [10, 20], [20.0, 10.0])          # chunk 0 moved +10, chunk 1 moved −10
+        v = prop.v[0, 0, :, 0] - before[0, 0, :, 0]
+        assert torch.equal(v[[12, 13, 24, 25]], torch.zeros(4)), window
+        assert torch.equal(v[[6, 7, 11]], torch.full((3,), 10.0)), window
+        assert torch.equal(v[[18, 19, 23]], torch.full((3,), -10.0)), window

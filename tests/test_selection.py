@@ -227,13 +227,16 @@ def test_each_qattn_round_recomputes_its_own_tokens_and_the_question(monkeypatch
     blender = Blender(HFLayers(model), MemoryStore(), "tiny", [], sink="none")
     for seg in tokens.chunk_segments():
         blender.ensure_stored(tokens.token_ids[seg.start:seg.end], seg.text)
-    passes, real = [], qattn.prefill
+    passes = []
 
-    def counted(ops, cache, ids, positions, **kw):
-        passes.append(positions)
-        return real(ops, cache, ids, positions, **kw)
+    def counted(run):
+        def pass_(ops, cache, x, positions, **kw):
+            passes.append(positions)
+            return run(ops, cache, x, positions, **kw)
+        return pass_
 
-    monkeypatch.setattr(qattn, "prefill", counted)
+    monkeypatch.setattr(qattn, "prefill", counted(qattn.prefill))        # the first pass runs its layers itself
+    monkeypatch.setattr(qattn, "run_layers", counted(qattn.run_layers))
     stats = GenerationStats("qattn", len(tokens))
     config = ReuseConfig(recompute_ratio=0.3, qattn_rounds=3)
     blender.blend(tokens, KVCache.empty(blender.ops, len(tokens)), config, stats)

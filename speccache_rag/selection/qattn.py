@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..prompt import TokenizedPrompt
-from ..runner import KVCache, prefill
+from ..runner import KVCache, prefill, run_layers
 from .base import Selection, adaptive_budget, top_positions
 from .registry import blend_selector
 
@@ -43,9 +43,10 @@ class QuestionAttention:
     def attention(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """One layer's queries [H, S, D] and keys [KVH, T, D] → each head's attention over the keys, mean over
         the question rows [H, T]."""
-        q = q[:, self.rows].float()                                          # [H, Q, D]
-        k = k.float().repeat_interleave(q.shape[0] // k.shape[0], dim=0)      # [H, T, D]
-        att = (q @ k.transpose(1, 2)) * self.scale                            # [H, Q, T]
+        heads, kv_heads = q.shape[0], k.shape[0]
+        # each key head serves a group of query heads: one product per group, no copy of the keys per head
+        q = q[:, self.rows].float().reshape(kv_heads, -1, q.shape[-1])      # [KVH, G*Q, D]
+        att = (q @ k.float().transpose(1, 2)).view(heads, -1, k.shape[1]) * self.scale       # [H, Q, T]
         att = att.masked_fill(torch.arange(k.shape[1], device=k.device)[None, :] > self.row_pos[:, None], float("-inf"))
         return att.softmax(-1).mean(dim=1)
 
@@ -126,8 +127,9 @@ def qattn_prefill(ops, cache: KVCache, sel: Selection, always: torch.Tensor) -> 
         return prefill(ops, cache, ids[always], always), always
     rounds = sel.config.qattn_rounds if sel.budget < sel.reusable_positions.numel() else 1
     probe = question_probe(ops, sel, always)
-    logits = prefill(ops, cache, ids[always], always, observe=probe)
-    taken = always[:0]
+    # the first pass's logits are wanted only where nothing is chosen after it
+    h_last = run_layers(ops, cache, ops.embed(ids[always].to(ops.device)), always, observe=probe)[-1]
+    logits, taken = None, always[:0]
     for r in range(rounds):
         chosen, again = second_pass(probe, sel, always, taken, share=1 / (rounds - r))
         if chosen.numel() == 0:
@@ -135,4 +137,4 @@ def qattn_prefill(ops, cache: KVCache, sel: Selection, always: torch.Tensor) -> 
         taken = torch.cat([taken, chosen])
         probe = question_probe(ops, sel, again) if r < rounds - 1 else None
         logits = prefill(ops, cache, ids[again], again, observe=probe)
-    return logits, torch.cat([taken, always]).unique()
+    return (ops.logits(h_last) if logits is None else logits), torch.cat([taken, always]).unique()

@@ -101,7 +101,7 @@ class VllmLayers:
     def logits(self, h_last: torch.Tensor) -> None:
         return None                             # vLLM computes the prompt's last token and samples it itself
 
-    def rotate(self, k_pre: torch.Tensor, positions: torch.Tensor, first_layer: int = 0) -> torch.Tensor:
+    def rotate(self, k_pre: torch.Tensor, positions: torch.Tensor, first_layer: int = 0, rope=None) -> torch.Tensor:
         layers, heads, s, d = k_pre.shape
         out = torch.empty_like(k_pre)
         for i in range(layers):
