@@ -60,15 +60,18 @@ class LayerCache(Protocol):
 Observer = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
-def attention_mask(positions: torch.Tensor, num_keys: int, window: int | None) -> torch.Tensor | None:
-    """[S, T]: which keys each query sees — earlier true positions, within ``window`` of it where the layer has
-    one. None for a plain prefill no window narrows: sorted distinct positions filling [0, T) take the fused
-    causal kernel, ~2x faster."""
+def attention_mask(positions: torch.Tensor, num_keys: int, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """[S, T], added to the attention logits: 0 for the keys each query sees — earlier true positions, within
+    ``window`` of it where the layer has one — and -inf for the rest (SDPA would turn a boolean mask into this
+    on every call). None for a plain prefill no window narrows: sorted distinct positions filling [0, T) take
+    the fused causal kernel, ~2x faster."""
     if positions.numel() == num_keys and (window is None or window >= num_keys):
         return None
     keys = torch.arange(num_keys, device=positions.device)[None, :]
-    mask = keys <= positions[:, None]
-    return mask if window is None else mask & (keys > positions[:, None] - window)
+    seen = keys <= positions[:, None]
+    if window is not None:
+        seen &= keys > positions[:, None] - window
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))
 
 
 def run_layers(ops: LayerOps, cache: LayerCache, h: torch.Tensor, positions: torch.Tensor, layers: range | None = None,
@@ -94,7 +97,7 @@ def run_layers(ops: LayerOps, cache: LayerCache, h: torch.Tensor, positions: tor
             observe(i, q, keys)
         window = ops.windows[i]
         if window not in masks:
-            masks[window] = attention_mask(positions, num_keys, window)
+            masks[window] = attention_mask(positions, num_keys, window, q.dtype)
         o = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=masks[window],
                                            is_causal=masks[window] is None, scale=ops.scaling,
                                            enable_gqa=True)[0]                                       # [H, S, D]
