@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import zlib
 import json
 import re
 import sys
@@ -73,7 +74,8 @@ class ChunkKV:
             k, v = tensors["k"], tensors["v"]
         except Exception as e:  # safetensors/json raise assorted types on damaged input
             raise CorruptEntry(f"unreadable KV entry: {e}") from e
-        if meta.pop("checksum", None) != _checksum(k, v):
+        stored = meta.pop("checksum", None)
+        if not isinstance(stored, str) or stored != _checksum(k, v, like=stored):
             raise CorruptEntry("KV entry checksum mismatch")
         if meta.pop("layout", None) != KV_LAYOUT_VERSION:
             raise CorruptEntry("KV entry has another layout version")
@@ -85,12 +87,21 @@ class ChunkKV:
         return cls(key=key, token_ids=token_ids, k=k, v=v, meta=meta)
 
 
-def _checksum(k: torch.Tensor, v: torch.Tensor) -> str:
+def _checksum(k: torch.Tensor, v: torch.Tensor, like: str | None = None) -> str:
+    """What catches a torn or damaged entry (not tampering: whoever can write an entry can write its checksum):
+    CRC-32, ~3x faster to read than SHA-256, and every query reads its chunks' entries. ``like``: the stored
+    checksum to compare with; a bare hex digest is the SHA-256 that entries written before carry."""
     import torch
 
+    data = [t.contiguous().view(torch.uint8).numpy() for t in (k, v)]   # their buffers, not copies
+    if like is None or like.startswith("crc32:"):
+        crc = 0
+        for d in data:
+            crc = zlib.crc32(d, crc)
+        return f"crc32:{crc:08x}"
     h = hashlib.sha256()
-    for t in (k, v):
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    for d in data:
+        h.update(d)
     return h.hexdigest()
 
 

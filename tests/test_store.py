@@ -185,6 +185,26 @@ def damage_empty(path: Path) -> None:
     path.write_bytes(b"")
 
 
+def test_entries_written_with_a_sha256_checksum_are_still_read_and_checked(monkeypatch):
+    """Entries written before the CRC-32 carry a bare SHA-256 digest: still valid, still checked."""
+    import speccache_rag.kv as kv
+
+    chunk, crc = make_chunk("ab05"), kv._checksum
+    old = _written_with(monkeypatch, kv, chunk, lambda k, v, like=None: crc(k, v, like="0"))
+    assert old != chunk.to_bytes()
+    assert_same(ChunkKV.from_bytes(old), chunk)
+    damaged = bytearray(old)
+    damaged[-5] ^= 0xFF
+    with pytest.raises(kv.CorruptEntry, match="checksum"):
+        ChunkKV.from_bytes(bytes(damaged))
+
+
+def _written_with(monkeypatch, kv, chunk: ChunkKV, checksum) -> bytes:
+    with monkeypatch.context() as m:
+        m.setattr(kv, "_checksum", checksum)
+        return chunk.to_bytes()
+
+
 @pytest.mark.parametrize("damage", [damage_flip, damage_truncate, damage_garbage, damage_empty])
 def test_disk_corrupt_entry_is_a_miss_then_recovers(tmp_path, damage):
     store = DiskStore(tmp_path, max_bytes=1 << 20)
@@ -234,7 +254,7 @@ def test_disk_never_unpickles(tmp_path, writer):
 
 
 def test_disk_gc_keeps_most_recent_within_budget(tmp_path):
-    entry = len(make_chunk("x0").to_bytes())
+    entry = len(make_chunk("ab77").to_bytes())           # keys of one length: entries of one size
     store = DiskStore(tmp_path, max_bytes=4 * entry)
     keys = [f"ab{i:02d}" for i in range(4)]
     for i, key in enumerate(keys):
