@@ -102,6 +102,7 @@ class VllmLayers:
         return None                             # vLLM computes the prompt's last token and samples it itself
 
     def rotate(self, k_pre: torch.Tensor, positions: torch.Tensor, first_layer: int = 0, rope=None) -> torch.Tensor:
+        # ``rope`` would be ``positions`` again (``self.rope``): vLLM's rotary embedding computes from those
         layers, heads, s, d = k_pre.shape
         out = torch.empty_like(k_pre)
         for i in range(layers):
