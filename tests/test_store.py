@@ -190,19 +190,15 @@ def test_entries_written_with_a_sha256_checksum_are_still_read_and_checked(monke
     import speccache_rag.kv as kv
 
     chunk, crc = make_chunk("ab05"), kv._checksum
-    old = _written_with(monkeypatch, kv, chunk, lambda k, v, like=None: crc(k, v, like="0"))
+    monkeypatch.setattr(kv, "_checksum", lambda k, v, like=None: crc(k, v, like="0"))  # a bare digest: SHA-256
+    old = chunk.to_bytes()
+    monkeypatch.setattr(kv, "_checksum", crc)
     assert old != chunk.to_bytes()
     assert_same(ChunkKV.from_bytes(old), chunk)
     damaged = bytearray(old)
     damaged[-5] ^= 0xFF
     with pytest.raises(kv.CorruptEntry, match="checksum"):
         ChunkKV.from_bytes(bytes(damaged))
-
-
-def _written_with(monkeypatch, kv, chunk: ChunkKV, checksum) -> bytes:
-    with monkeypatch.context() as m:
-        m.setattr(kv, "_checksum", checksum)
-        return chunk.to_bytes()
 
 
 @pytest.mark.parametrize("damage", [damage_flip, damage_truncate, damage_garbage, damage_empty])
