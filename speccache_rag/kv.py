@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import hashlib
-import zlib
 import json
 import re
 import sys
+import zlib
 from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING

@@ -79,9 +79,9 @@ class PropagatingCache(KVCache):
         its chunk, ``window`` on each side or the nearest one; empty where its chunk has none."""
         targets = self.span_positions
         i = torch.searchsorted(sources, targets)                   # the first source right of each token
-        segment = self.segment[self.span]
-        first = torch.searchsorted(self.segment[sources], segment)              # the chunk's sources: [first, end)
-        end = torch.searchsorted(self.segment[sources], segment, right=True)
+        segment, of_sources = self.segment[self.span], self.segment[sources]
+        first = torch.searchsorted(of_sources, segment)            # the chunk's sources: [first, end)
+        end = torch.searchsorted(of_sources, segment, right=True)
         if self.window:
             lo, hi = torch.maximum(i - self.window, first), torch.minimum(i + self.window, end)
         else:                                                      # the nearest one; the left one on a tie
