@@ -270,6 +270,15 @@ def test_bench_musique_suite_reads_passages_and_a_resume_pays_only_for_new_metho
     assert {json.loads(line)["example"] for line in (later / "results.jsonl").read_text().splitlines()} == {"qB"}
     assert "rows 2–2 (--skip 1)" in (later / "report.md").read_text()
 
+    # a row of a method spelling that no longer parses (an option since removed) is left out, not fatal
+    from speccache_rag.bench.report import write_report
+    results = later / "results.jsonl"
+    gone = {**json.loads(results.read_text().splitlines()[-1]), "method": "qattn@0.15+propagate=auto"}
+    results.write_text(results.read_text() + json.dumps(gone) + "\n")
+    with pytest.warns(UserWarning, match="propagate=auto"):
+        md = write_report(later).read_text()
+    assert "Left out: rows of `qattn@0.15+propagate=auto`" in md and "| reuse |" in md
+
 
 def test_bench_ttft_suite_times_every_method_in_both_dtypes(tmp_path):
     """`bench --suite ttft`, shrunk: one process, both dtypes in the same rounds, ratios to full in each."""

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
 from .data import PROSE_SOURCE
+from .methods import parse_method
 from .report_paired import goal_lines, paired_table
 from .report_plots import plots
 from .report_tables import (agreement_lines, headline_table, summarize, sweep_table, tabulated_methods, target_table,
@@ -49,12 +51,32 @@ def _prompt_lines(meta: dict, suite: dict, env: dict) -> list[str]:
             f"- distractor prose: {PROSE_SOURCE} [{env['prose']}]"]
 
 
+def _parsable(rows: list[dict]) -> tuple[list[dict], list[str]]:
+    """Rows whose method the bench still understands, and the names of those it no longer does (an option
+    renamed or removed since they ran): those are left out with a warning rather than failing the report."""
+    stale: dict[str, None] = {}
+    kept = []
+    for row in rows:
+        name = row.get("method")
+        if name is not None:
+            try:
+                parse_method(name)
+            except ValueError:
+                stale[name] = None
+                continue
+        kept.append(row)
+    return kept, list(stale)
+
+
 def write_report(out: str | Path) -> Path:
     """Build ``OUT/report.md`` (and PNGs beside it) from ``OUT/results.jsonl``; returns the report path."""
     out = Path(out)
     meta = json.loads((out / SUITE_FILE).read_text())
     suite, env = meta["suite"], meta["environment"]
-    rows = read_rows(out / RESULTS)
+    rows, stale = _parsable(read_rows(out / RESULTS))
+    if stale:
+        warnings.warn(f"{out / RESULTS}: left out the rows of methods this version cannot parse: {', '.join(stale)}",
+                      stacklevel=2)
     lines = [f"# Benchmark report — suite `{suite['name']}`", "", suite["description"], "",
              *_command_lines(meta),
              f"- machine: {env['machine']}, {env['cpu_count']} CPUs ({env['processor']}), torch {env['torch']} "
@@ -69,6 +91,9 @@ def write_report(out: str | Path) -> Path:
              "- task score: RULER string match (share of the reference values in the answer) for the synthetic "
              "tasks; word F1 (QA) or ROUGE-L (summaries) for LongBench files. Fidelity: first-token KL(full ‖ "
              "method), top-1 agreement, ROUGE-L of the greedy continuation against full's.", ""]
+    if stale:
+        lines += [f"Left out: rows of {', '.join(f'`{m}`' for m in stale)}, a method spelling this version no longer "
+                  "parses.", ""]
     # every (target, draft) the results hold: a directory resumed with other --pairs keeps the earlier ones
     pairs = list(dict.fromkeys([tuple(p) for p in suite["pairs"]]
                                + [(r["target"], r["draft"]) for r in rows if r.get("draft")]))
