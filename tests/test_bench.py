@@ -10,7 +10,8 @@ from speccache_rag.bench.data import (TASKS, load_longbench, make_example, prose
 from speccache_rag.bench.methods import parse_method
 from speccache_rag.bench.metrics import (exact_match, f1_score, normalize_answer, rouge_l,
                                          string_match, task_scores)
-from speccache_rag.bench.suites import SUITES, SWEEP, get_suite
+from speccache_rag.bench.suites import DEFAULT, SUITES, SWEEP, get_suite
+from speccache_rag.bench.ttft import TimingSuite
 from speccache_rag.config import ReuseConfig
 from speccache_rag.gate import first_token_fidelity
 
@@ -98,7 +99,10 @@ def test_method_names():
     assert parse_method("qattn@auto+auto_range=0.05-0.15").reuse_config().auto_range == (0.05, 0.15)
     # a name keeps the configuration it was measured with: the default's propagate only where spelled
     assert parse_method("qattn@0.15").reuse_config().propagate == 0.0 < ReuseConfig().propagate
-    assert parse_method("qattn@0.15+propagate=0.75+propagate_window=2").reuse_config() == ReuseConfig()
+    assert parse_method(DEFAULT).reuse_config() == ReuseConfig()
+    # the suites that carry the product's claims measure what ships, not only the bare family name
+    assert all(DEFAULT in get_suite(name).methods and DEFAULT in get_suite(name).ttft_methods
+               for name in ("quality", "musique")) and DEFAULT in TimingSuite().methods
     assert parse_method("qattn@0.15+propagate=0.5").reuse_config().propagate_window == 0   # measured as the nearest
     for bad in ("nope", "speccache@2", "epic-kx", "speccache", "qattn@auto:0", "qattn@auto:x", "norm@auto:0.5",
                 "qattn@0.15+bogus=1", "qattn@0.15+rounds=0", "qattn@0.15+sink", "qattn@0.15+propagate=2",

@@ -48,7 +48,7 @@ class MethodSpec:
 
     def reuse_config(self) -> ReuseConfig:
         # a name is one configuration for good: runs written before the default took propagation resume and
-        # pair with new ones unchanged, so the default is spelled qattn@0.15+propagate=0.75+propagate_window=2
+        # pair with new ones unchanged, so the default is spelled out (suites.DEFAULT)
         options = {"propagate": 0.0, "propagate_window": 0, **dict(self.options)}
         if self.family == "full":
             return ReuseConfig(method="full", recompute_ratio=1.0, **options)

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 from .data import TASKS
 
+# ReuseConfig() under its bench name. A name never changes meaning (methods.MethodSpec.reuse_config), so the
+# bare family name stays propagate 0 as every earlier run measured it; tests check this one equals what ships.
+DEFAULT = "qattn@0.15+propagate=0.75+propagate_window=2"
 RATIOS = (0.10, 0.15, 0.20, 0.25)
 # The sweep of EVALUATION.md / issue 5, plus the two draft experiments of issue 5 at r = 0.15.
 SWEEP = (["full", "reuse", "epic-k8", "epic-k16", "epic-k32"]
@@ -122,33 +125,35 @@ SUITES: dict[str, Suite] = {
                     "of qattn and speccache and qattn's adaptive ratio at three score masses on the first 9 "
                     "(3 per task); TTFT interleaved on the first prompt (5 rounds after a warm-up). Answers "
                     "capped at 24 tokens (three names fit). Sized by measurement: "
-                    "~95 s per prompt for these methods in bfloat16 on 2 CPU cores, so ~2.4 h here (run it in "
+                    "~100 s per prompt for these methods in bfloat16 on 2 CPU cores, so ~2.5 h here (run it in "
                     "parts with --resume); the 0.5B target and the Qwen-0.5B draft are separate parts "
                     "(--pairs, same prompts: see docs/benchmarks.md).",
         pairs=[(QWEN15, SMOL)], n_per_task=30, n_chunks=8, chunk_tokens=256,
-        methods=["full", "reuse", "epic-k16", "cacheblend@0.15", "random@0.15", "qattn@0.15", "speccache@0.15",
-                 "norm@0.15", "deviation@0.15"],
+        methods=["full", "reuse", "epic-k16", "cacheblend@0.15", "random@0.15", "qattn@0.15", DEFAULT,
+                 "speccache@0.15", "norm@0.15", "deviation@0.15"],
         sweep_methods=["qattn@0.05", "qattn@0.10", "qattn@0.25", "speccache@0.25",
                        "qattn@auto:0.8", "qattn@auto:0.9", "qattn@auto:0.95"], sweep_examples=9,
-        ttft_methods=["full", "epic-k16", "cacheblend@0.15", "qattn@0.15", "speccache@0.15", "norm@0.15",
+        ttft_methods=["full", "epic-k16", "cacheblend@0.15", "qattn@0.15", DEFAULT, "speccache@0.15", "norm@0.15",
                       "deviation@0.15"],
         ttft_examples=1, max_new_tokens=24, stop=("\n",), agreement=False),
     "musique": Suite(
         name="musique",
         description="Real multi-hop RAG (issue 24): MuSiQue dev questions (../shared/data/musique_dev.jsonl, "
-                    "$SPECCACHE_MUSIQUE; never committed) with their first 6 retrieved passages, each passage one "
-                    "chunk (~3.55 k Qwen tokens), answers in at most five words, greedy, 12 new tokens stopping at "
-                    "a newline. Fidelity to full prefill is the measure (these targets answer MuSiQue poorly): "
-                    "first-token KL gap closed, top-1, the same greedy answer. Sized by measurement: on 2 cores "
-                    "in float32 the 0.5B target costs ~65 s a question for the chunk precompute and the full "
-                    "reference and ~7-11 s per method (the 1.5B ~3x that): ~25 min for 12 questions and these "
-                    "methods on the 0.5B. --kv-store keeps chunk KV and references, so a resumed run with more "
-                    "--methods (e.g. qattn@0.15+sink=32) pays for those only; --pairs picks the target.",
-        pairs=[(QWEN05, SMOL)], n_per_task=12, tasks=("musique",), longbench=MUSIQUE, passages=6,
+                    "$SPECCACHE_MUSIQUE or --longbench for another split; never committed) with their first 6 "
+                    "retrieved passages, each passage one chunk (~3.55 k Qwen tokens), answers in at most five "
+                    "words, greedy, 12 new tokens stopping at a newline; both targets, plain chunks. Fidelity to "
+                    "full prefill is the measure (these targets answer MuSiQue poorly): first-token KL gap closed, "
+                    "top-1, the same greedy answer; TTFT on the first 3 questions, median of 5 after a warm-up. "
+                    "Sized by measurement on 2 cores in bfloat16 (AVX512-BF16/AMX): ~45-50 s a question for either "
+                    "target (chunk precompute, the full reference, these methods), so ~35 min per target for 40 "
+                    "questions and ~10 min of timing: ~1.5 h in all, about three times that in float32. "
+                    "--kv-store keeps chunk KV and references, so a resumed run with more --methods pays for those "
+                    "only; --pairs, --per-task and --stages shrink it.",
+        pairs=[(QWEN15, SMOL), (QWEN05, SMOL)], n_per_task=40, tasks=("musique",), longbench=MUSIQUE, passages=6,
         system=SHORT_ANSWER,
-        methods=["full", "reuse", "epic@0.15", "cacheblend@0.15", "qattn@0.15", "qattn@0.25"],
-        ttft_methods=["full", "epic@0.15", "cacheblend@0.15", "qattn@0.15", "qattn@0.25"],
-        ttft_examples=1, ttft_reps=2, max_new_tokens=12, stop=("\n",), agreement=False),
+        methods=["full", "reuse", "epic@0.15", "cacheblend@0.15", "qattn@0.15", DEFAULT],
+        ttft_methods=["full", "epic@0.15", "cacheblend@0.15", "qattn@0.15", DEFAULT],
+        ttft_examples=3, ttft_reps=5, max_new_tokens=12, stop=("\n",), agreement=False),
 }
 
 

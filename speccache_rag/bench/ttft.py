@@ -18,7 +18,7 @@ from .data import synthetic, tokenizer_counter
 from .methods import BenchEngine, parse_method
 from .metrics import median
 from .results import RESULTS, SUITE_FILE
-from .suites import QWEN05, QWEN15, SMOL
+from .suites import DEFAULT, QWEN05, QWEN15, SMOL
 
 
 @dataclass
@@ -28,7 +28,7 @@ class TimingSuite:
     n_chunks: list[int] = field(default_factory=lambda: [8, 16])       # × 256 tokens: ~2 k and ~4 k prompts
     chunk_tokens: int = 256
     methods: list[str] = field(default_factory=lambda: ["full", "reuse", "epic@0.15", "cacheblend@0.15",
-                                                        "qattn@0.15", "speccache@0.15", "norm@0.15"])
+                                                        "qattn@0.15", DEFAULT, "speccache@0.15", "norm@0.15"])
     reps: int = 3
     warmup: int = 1
     seed: int = 1000
