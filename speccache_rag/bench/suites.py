@@ -144,7 +144,7 @@ SUITES: dict[str, Suite] = {
                     "words, greedy, 12 new tokens stopping at a newline; both targets, plain chunks. Fidelity to "
                     "full prefill is the measure (these targets answer MuSiQue poorly): first-token KL gap closed, "
                     "top-1, the same greedy answer; TTFT on the first 3 questions, median of 5 after a warm-up. "
-                    "Sized by measurement on 2 cores in bfloat16 (AVX512-BF16/AMX): ~45-50 s a question for either "
+                    "Sized by measurement on 2 cores in bfloat16 (AVX512-BF16/AMX): ~50 s a question for either "
                     "target (chunk precompute, the full reference, these methods), so ~35 min per target for 40 "
                     "questions and ~10 min of timing: ~1.5 h in all, about three times that in float32. "
                     "--kv-store keeps chunk KV and references, so a resumed run with more --methods pays for those "
