@@ -367,6 +367,18 @@ def test_paired_permutation_test_of_the_mean():
     assert paired_diffs(rows, "a", "b", "kl", lower_is_better=True) == pytest.approx([0.2, -0.1])
 
 
+def test_the_goals_are_read_off_the_shipped_default_not_the_bare_family_name():
+    from speccache_rag.bench.report_paired import goal_lines
+    from speccache_rag.bench.report_tables import summarize
+
+    kl = {"full": 0.0, "reuse": 1.0, "qattn@0.15": 0.4, DEFAULT: 0.1}
+    rows = [{"task": "t", "score": 1.0, "kl": k, "top1": 1.0, "method": m, "example": e, "prediction": "x",
+             "same_continuation": True} for e in range(3) for m, k in kl.items()]
+    summary, _ = summarize(rows, list(kl))
+    lines = goal_lines(summary, rows)
+    assert len(lines) == 1 and lines[0].startswith(f"- {DEFAULT}:") and "closes 90.0 %" in lines[0]
+
+
 def test_same_answer_forgives_spelling_not_a_different_answer():
     from speccache_rag.bench.report_tables import summarize
 

@@ -7,6 +7,7 @@ from collections import defaultdict
 
 from .metrics import mean
 from .report_tables import fmt, relative
+from .suites import DEFAULT
 
 
 def sign_test_p(wins: int, losses: int) -> float:
@@ -70,14 +71,13 @@ def paired_table(rows: list[dict], methods: list[str]) -> list[str]:
 
 
 def goal_lines(summary: dict, rows: list[dict]) -> list[str]:
-    """The quality issue's goals, for the default method (``ReuseConfig()``) and for speccache, at r = 0.15."""
-    from ..config import ReuseConfig
-
+    """The quality issue's goals, for the default (``ReuseConfig()``, by its bench name) and for speccache, at
+    r = 0.15."""
     full, reuse = summary.get("full"), summary.get("reuse")
     if not full or not reuse:
         return []
     out = []
-    for m, kl_goal in ((f"{ReuseConfig().method}@0.15", 0.80), ("speccache@0.15", 0.70)):
+    for m, kl_goal in ((DEFAULT, 0.80), ("speccache@0.15", 0.70)):
         s = summary.get(m)
         if not s:
             continue
