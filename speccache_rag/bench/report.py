@@ -54,18 +54,15 @@ def _prompt_lines(meta: dict, suite: dict, env: dict) -> list[str]:
 def _parsable(rows: list[dict]) -> tuple[list[dict], list[str]]:
     """Rows whose method the bench still understands, and the names of those it no longer does (an option
     renamed or removed since they ran): those are left out with a warning rather than failing the report."""
-    stale: dict[str, None] = {}
-    kept = []
-    for row in rows:
-        name = row.get("method")
-        if name is not None:
-            try:
-                parse_method(name)
-            except ValueError:
-                stale[name] = None
-                continue
-        kept.append(row)
-    return kept, list(stale)
+    def parses(name: str) -> bool:
+        try:
+            parse_method(name)
+        except ValueError:
+            return False
+        return True
+
+    stale = [m for m in dict.fromkeys(r.get("method") for r in rows) if m is not None and not parses(m)]
+    return [r for r in rows if r.get("method") not in stale], stale
 
 
 def write_report(out: str | Path) -> Path:
